@@ -1,0 +1,29 @@
+"""Dynamic loss scaling for mixed-precision training in JAX, the optax way.
+
+Example:
+  >>> import jax.numpy as jnp, optax, loss_scale as ls
+  >>> tx = ls.dynamic(optax.adam(1e-3))
+  >>> opt_state = tx.init({"w": jnp.zeros(3)})
+  >>> float(ls.get_scale(opt_state))
+  32768.0
+"""
+
+from loss_scale._grad import find_state, get_scale, scale_loss, unscale, value_and_grad
+from loss_scale._state import LossScaleState
+from loss_scale._transform import dynamic, no_op, static
+from loss_scale._tree import all_finite
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "LossScaleState",
+    "all_finite",
+    "dynamic",
+    "find_state",
+    "get_scale",
+    "no_op",
+    "scale_loss",
+    "static",
+    "unscale",
+    "value_and_grad",
+]

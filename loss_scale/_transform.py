@@ -1,0 +1,213 @@
+"""The loss-scaling optax transformations: ``dynamic``, ``static``, ``no_op``.
+
+One update, in order:
+
+1. check: one ``max|g|`` reduction per gradient leaf decides whether every
+   gradient is finite once divided by the scale (``_tree.leaf_finite_flags``);
+2. one ``jax.lax.cond`` on that scalar: the taken branch unscales the
+   gradients and runs the inner update (so XLA fuses the division into the
+   inner optimizer's elementwise pass); the skip branch returns zero updates
+   and the inner state exactly as it was;
+3. adjust the scale and counters (``_state.next_state``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import optax
+
+from loss_scale._state import DynamicRule, LossScaleState, Rule, StaticRule, init_state, next_state
+from loss_scale._tree import all_flags, leaf_finite_flags, unscale_tree, zeros_like_shapes
+from loss_scale._types import PyTree
+
+
+def as_transformation(inner: Any) -> optax.GradientTransformationExtraArgs:
+    """Validates ``inner`` and returns it with extra-args support."""
+    if isinstance(inner, optax.GradientTransformation):
+        return optax.with_extra_args_support(inner)
+    init, update = getattr(inner, "init", None), getattr(inner, "update", None)
+    if callable(init) and callable(update):
+        # Duck-typed transformations such as optax.MultiSteps.
+        return optax.GradientTransformationExtraArgs(init, update)
+    hint = ""
+    if callable(inner):
+        hint = " (did you pass an optimizer factory without calling it, e.g. optax.adam instead of optax.adam(1e-3)?)"
+    raise TypeError(
+        f"inner must be an optax.GradientTransformation, got {inner!r} of type {type(inner).__name__}{hint}"
+    )
+
+
+def _check_state_types(before: PyTree, after: PyTree) -> None:
+    """The skip branch returns the inner state as it was, so the inner update
+    must keep every state leaf's shape and dtype."""
+    paths_before = jax.tree_util.tree_flatten_with_path(before)
+    leaves_after, treedef_after = jax.tree.flatten(after)
+    if paths_before[1] != treedef_after:
+        raise TypeError(
+            "the inner optimizer's update changes the structure of its state "
+            f"({paths_before[1]} -> {treedef_after}); a skipped step could not return it unchanged"
+        )
+    for (path, old), new in zip(paths_before[0], leaves_after, strict=True):
+        if getattr(old, "shape", None) != new.shape or getattr(old, "dtype", None) != new.dtype:
+            raise TypeError(
+                f"the inner optimizer's update changes state leaf {jax.tree_util.keystr(path)} from "
+                f"{getattr(old, 'dtype', type(old))}{getattr(old, 'shape', '')} to {new.dtype}{new.shape}; "
+                "initialise it with the dtype it will keep (for example, pass params of that dtype to init)"
+            )
+
+
+def _loss_scaled(inner: Any, rule: Rule, check_finite: bool = True) -> optax.GradientTransformationExtraArgs:
+    inner = as_transformation(inner)
+
+    def init_fn(params: optax.Params) -> LossScaleState:
+        return init_state(rule, inner.init(params))
+
+    def update_fn(
+        updates: optax.Updates,
+        state: LossScaleState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, LossScaleState]:
+        if not isinstance(state, LossScaleState):
+            raise TypeError(
+                f"state must be the LossScaleState made by this transformation's init, got {type(state).__name__}"
+            )
+        scale = state.scale
+
+        def apply(grads, inner_state, params):
+            return inner.update(unscale_tree(grads, scale), inner_state, params, **extra_args)
+
+        if not check_finite:
+            new_updates, inner_state = apply(updates, state.inner_state, params)
+            return new_updates, next_state(rule, state, jax.numpy.array(True), inner_state)
+
+        out_shapes = jax.eval_shape(apply, updates, state.inner_state, params)
+        _check_state_types(state.inner_state, out_shapes[1])
+
+        def skip(grads, inner_state, params):
+            del grads, params
+            return zeros_like_shapes(out_shapes[0]), inner_state
+
+        finite = all_flags(leaf_finite_flags(updates, scale))
+        new_updates, inner_state = jax.lax.cond(finite, apply, skip, updates, state.inner_state, params)
+        return new_updates, next_state(rule, state, finite, inner_state)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def dynamic(
+    inner: optax.GradientTransformation,
+    initial_scale: float = 2.0**15,
+    growth_factor: float = 2.0,
+    backoff_factor: float = 0.5,
+    growth_interval: int = 2000,
+    min_scale: float = 1.0,
+    max_scale: float = 2.0**24,
+    hysteresis: int = 1,
+    consecutive_hysteresis: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    """Dynamic loss scaling around any optax optimizer.
+
+    ``update`` expects the gradients of ``loss * scale`` (see
+    ``loss_scale.value_and_grad``). It divides them by the scale in float32,
+    checks them for inf/nan, and then either runs ``inner``'s update on the
+    unscaled gradients or, if anything is non-finite, skips it: the updates
+    are zeros and ``inner``'s state is returned unchanged (Adam's moments and
+    step count do not move). Then the scale adjusts:
+
+    * after ``growth_interval`` consecutive clean steps it is multiplied by
+      ``growth_factor``, capped at ``max_scale`` (never inf);
+    * on an overflow it is multiplied by ``backoff_factor``, floored at
+      ``min_scale``; with ``hysteresis = h`` only from the h-th overflow since
+      the last growth on (``consecutive_hysteresis=True``: since the last
+      clean step).
+
+    With ``min_scale`` tiny, ``max_scale=inf`` and ``hysteresis=1`` the scale
+    and the skipped steps follow torch.amp.GradScaler exactly.
+
+    Args:
+      inner: the optimizer to wrap.
+      initial_scale: the scale at step 0.
+      growth_factor: multiplier on growth, > 1.
+      backoff_factor: multiplier on overflow, in (0, 1).
+      growth_interval: clean steps in a row before the scale grows, >= 1.
+      min_scale: floor of the scale, > 0 (below 1 is allowed).
+      max_scale: ceiling of the scale, may be ``inf``.
+      hysteresis: overflows tolerated before backing off, >= 1.
+      consecutive_hysteresis: refill the hysteresis on every clean step
+        instead of only on growth.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      ``LossScaleState``.
+
+    Raises:
+      ValueError: when a setting is out of range (named in the message).
+      TypeError: when ``inner`` is not an optax transformation.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
+      >>> tx = ls.dynamic(optax.sgd(0.1), initial_scale=2.0**10)
+      >>> params = {"w": jnp.ones(3)}
+      >>> state = tx.init(params)
+      >>> loss_fn = lambda p: jnp.sum(p["w"] ** 2)
+      >>> loss, grads = ls.value_and_grad(loss_fn)(state, params)
+      >>> updates, state = tx.update(grads, state, params)
+      >>> params = optax.apply_updates(params, updates)
+      >>> params["w"]
+      Array([0.8, 0.8, 0.8], dtype=float32)
+    """
+    rule = DynamicRule(
+        initial_scale=initial_scale,
+        growth_factor=growth_factor,
+        backoff_factor=backoff_factor,
+        growth_interval=growth_interval,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive_hysteresis,
+    )
+    return _loss_scaled(inner, rule)
+
+
+def static(inner: optax.GradientTransformation, scale: float) -> optax.GradientTransformationExtraArgs:
+    """A fixed loss scale around ``inner``; non-finite steps are still skipped.
+
+    Args:
+      inner: the optimizer to wrap.
+      scale: the loss scale, finite and > 0.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, loss_scale as ls
+      >>> tx = ls.static(optax.sgd(1.0), scale=128.0)
+      >>> state = tx.init(jnp.zeros(2))
+      >>> updates, state = tx.update(jnp.array([128.0, jnp.inf]), state)
+      >>> updates, bool(state.skipped)
+      (Array([0., 0.], dtype=float32), True)
+    """
+    return _loss_scaled(inner, StaticRule(scale))
+
+
+def no_op(inner: optax.GradientTransformation, skip_nonfinite: bool = False) -> optax.GradientTransformationExtraArgs:
+    """No loss scaling (scale 1), with the same state as ``dynamic``.
+
+    For bfloat16 and float32 training, so that switching precision does not
+    change the shape of the optimizer state or the training loop.
+
+    Args:
+      inner: the optimizer to wrap.
+      skip_nonfinite: by default the inner update runs on every step with no
+        check, at no cost; ``True`` checks the gradients and skips non-finite
+        steps as ``static(inner, 1.0)`` does.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, loss_scale as ls
+      >>> tx = ls.no_op(optax.sgd(1.0))
+      >>> float(ls.get_scale(tx.init(jnp.zeros(2))))
+      1.0
+    """
+    if not isinstance(skip_nonfinite, bool):
+        raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}")
+    return _loss_scaled(inner, StaticRule(1.0), check_finite=skip_nonfinite)

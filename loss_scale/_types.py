@@ -1,0 +1,5 @@
+"""Type aliases shared by the modules."""
+
+from typing import Any
+
+PyTree = Any
