@@ -24,7 +24,8 @@ def torch_gradscaler(overflows, init_scale, growth_factor, backoff_factor, growt
         else:
             tracker += 1
             if tracker == growth_interval:
-                grown = np.float32(scale * np.float32(growth_factor))
+                with np.errstate(over="ignore"):
+                    grown = np.float32(scale * np.float32(growth_factor))
                 if np.isfinite(grown):
                     scale = grown
                 tracker = 0

@@ -241,9 +241,7 @@ def _rule_run(growth_factor, backoff_factor, growth_interval, hysteresis, consec
     return lambda init_scale, overflows: np.asarray(run(init_scale, np.asarray(overflows, bool)))
 
 
-CONFIGS = st.tuples(
-    st.sampled_from([1.5, 2.0, 3.0]), st.sampled_from([0.25, 0.5]), st.sampled_from([1, 2, 5])
-)
+CONFIGS = st.tuples(st.sampled_from([1.5, 2.0, 3.0]), st.sampled_from([0.25, 0.5]), st.sampled_from([1, 2, 5]))
 OVERFLOWS = st.lists(st.booleans(), min_size=64, max_size=64)
 
 

@@ -1,0 +1,320 @@
+"""The transformation: clean steps, skipped steps, and optax compositions."""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import loss_scale as ls
+
+
+def make_params():
+    return {
+        "dense": {"w": jnp.linspace(-1.0, 1.0, 12).reshape(3, 4), "b": jnp.zeros(4)},
+        "half": jnp.array([0.5, -0.25], jnp.float16),
+        "bf": jnp.array([1.0, 2.0, 3.0], jnp.bfloat16),
+    }
+
+
+def make_grads(scale, poison=None):
+    """Gradients of a made-up loss, times ``scale``; ``poison`` puts an inf/nan
+    into one leaf."""
+    grads = {
+        "dense": {"w": jnp.full((3, 4), 0.3) * scale, "b": jnp.arange(4.0) * scale},
+        "half": (jnp.array([1e-3, -2e-3]) * scale).astype(jnp.float16),
+        "bf": (jnp.array([0.1, 0.2, 0.3]) * scale).astype(jnp.bfloat16),
+    }
+    if poison is not None:
+        key, value = poison
+        grads[key] = grads[key].at[0].set(value) if key != "dense" else grads[key]
+        if key == "dense":
+            grads["dense"]["w"] = grads["dense"]["w"].at[1, 2].set(value)
+    return grads
+
+
+def assert_trees_bitwise_equal(a, b):
+    chex.assert_trees_all_equal_structs(a, b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(
+            np.atleast_1d(np.asarray(x)).view(np.uint8), np.atleast_1d(np.asarray(y)).view(np.uint8)
+        )
+
+
+INNERS = {
+    "sgd": lambda: optax.sgd(0.1, momentum=0.9),
+    "adam": lambda: optax.adam(1e-2),
+    "adamw": lambda: optax.adamw(1e-2, weight_decay=0.1),
+    "lion": lambda: optax.lion(1e-3),
+    "chain": lambda: optax.chain(optax.clip_by_global_norm(1.0), optax.adam(optax.linear_schedule(1e-2, 0.0, 10))),
+}
+
+
+class TransformTest(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_clean_step_equals_inner_update_on_unscaled_grads(self):
+        for name, make_inner in INNERS.items():
+            params = make_params()
+            tx = ls.dynamic(make_inner(), initial_scale=2.0**12)
+            inner = make_inner()
+            state, inner_state = tx.init(params), inner.init(params)
+            update, inner_update = self.variant(tx.update), self.variant(inner.update)
+            for _ in range(3):
+                grads = make_grads(ls.get_scale(state))
+                updates, state = update(grads, state, params)
+                expected, inner_state = inner_update(ls.unscale(grads, state), inner_state, params)
+                chex.assert_trees_all_close(updates, expected, rtol=1e-6, atol=0, custom_message=name)
+                chex.assert_trees_all_close(state.inner_state, inner_state, rtol=1e-6, custom_message=name)
+                params = optax.apply_updates(params, updates)
+            assert int(state.good_steps) == 3 and not bool(state.skipped)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_skipped_step_leaves_everything_untouched(self):
+        # Each optimizer meets one kind of poison in one kind of leaf.
+        poisons = [("dense", jnp.inf), ("half", -jnp.inf), ("bf", jnp.nan), ("dense", jnp.nan), ("half", jnp.nan)]
+        for poison, (name, make_inner) in zip(poisons, INNERS.items(), strict=True):
+            params = make_params()
+            tx = ls.dynamic(make_inner(), initial_scale=2.0**12, min_scale=2.0**10)
+            state = tx.init(params)
+            update = self.variant(tx.update)
+            updates, state = update(make_grads(ls.get_scale(state)), state, params)  # one clean step
+            params = optax.apply_updates(params, updates)
+            before = state
+            updates, state = update(make_grads(ls.get_scale(state), poison), state, params)
+            assert_trees_bitwise_equal(state.inner_state, before.inner_state)
+            assert_trees_bitwise_equal(updates, jax.tree.map(jnp.zeros_like, params))
+            new_params = optax.apply_updates(params, updates)
+            assert_trees_bitwise_equal(new_params, params)
+            assert bool(state.skipped), name
+            assert float(state.scale) == 2.0**11
+            assert (int(state.good_steps), int(state.skipped_steps), int(state.consecutive_skips)) == (0, 1, 1)
+            # A second overflow: floored at min_scale, counters go on.
+            _, state = update(make_grads(ls.get_scale(state), poison), state, params)
+            assert (float(state.scale), int(state.skipped_steps), int(state.consecutive_skips)) == (2.0**10, 2, 2)
+            # The next clean step applies and clears the run of skips.
+            _, state = update(make_grads(ls.get_scale(state)), state, params)
+            assert (bool(state.skipped), int(state.skipped_steps), int(state.consecutive_skips)) == (False, 2, 0)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_static_skips_but_never_moves_the_scale(self):
+        params = make_params()
+        tx = ls.static(optax.adam(1e-2), scale=256.0)
+        state = tx.init(params)
+        update = self.variant(tx.update)
+        for poison in [None, ("dense", jnp.inf), None, None]:
+            before = state.inner_state
+            updates, state = update(make_grads(256.0, poison), state, params)
+            assert float(state.scale) == 256.0
+            assert bool(state.skipped) == (poison is not None)
+            if poison is not None:
+                assert_trees_bitwise_equal(state.inner_state, before)
+        assert int(state.good_steps) == 2 and int(state.skipped_steps) == 1
+
+
+def test_no_op_applies_every_step_and_optionally_skips():
+    params = {"w": jnp.ones(2)}
+    tx = ls.no_op(optax.sgd(1.0))
+    state = tx.init(params)
+    updates, state = jax.jit(tx.update)({"w": jnp.array([1.0, jnp.nan])}, state)
+    assert np.isnan(np.asarray(updates["w"][1])) and not bool(state.skipped)
+    assert float(state.scale) == 1.0
+    tx = ls.no_op(optax.sgd(1.0), skip_nonfinite=True)
+    updates, state = jax.jit(tx.update)({"w": jnp.array([1.0, jnp.nan])}, tx.init(params))
+    np.testing.assert_array_equal(updates["w"], [0.0, 0.0])
+    assert bool(state.skipped)
+    with pytest.raises(TypeError, match="skip_nonfinite"):
+        ls.no_op(optax.sgd(1.0), skip_nonfinite="yes")
+
+
+@pytest.mark.parametrize("inner", [optax.adam, "adam", None, 3.0, object()])
+def test_non_optax_inner_is_a_type_error(inner):
+    with pytest.raises(TypeError, match="inner must be an optax.GradientTransformation"):
+        ls.dynamic(inner)
+
+
+def test_uncalled_factory_gets_a_hint():
+    with pytest.raises(TypeError, match=r"optax\.adam\(1e-3\)"):
+        ls.static(optax.adam, scale=2.0)
+
+
+def test_wrong_state_is_a_type_error():
+    tx = ls.dynamic(optax.sgd(0.1))
+    with pytest.raises(TypeError, match="LossScaleState"):
+        tx.update(jnp.ones(2), optax.sgd(0.1).init(jnp.ones(2)), jnp.ones(2))
+
+
+def test_inner_that_changes_its_state_dtype_is_named():
+    def init(params):
+        return {"acc": jnp.zeros_like(params, jnp.float16)}
+
+    def update(updates, state, params=None):
+        return updates, {"acc": state["acc"] + updates}  # float16 + float32 -> float32
+
+    tx = ls.dynamic(optax.GradientTransformation(init, update))
+    with pytest.raises(TypeError, match=r"\['acc'\] from float16\(2,\) to float32\(2,\)"):
+        tx.update(jnp.ones(2), tx.init(jnp.ones(2)))
+
+
+def test_chain_outside_and_get_scale_through_it():
+    params = {"w": jnp.ones(3)}
+    tx = optax.chain(ls.dynamic(optax.scale_by_adam(), initial_scale=8.0), optax.scale(-0.1))
+    state = tx.init(params)
+    assert float(ls.get_scale(state)) == 8.0
+    updates, state = tx.update({"w": jnp.array([8.0, jnp.inf, 0.0])}, state, params)
+    np.testing.assert_array_equal(updates["w"], [0.0, 0.0, 0.0])
+    assert float(ls.get_scale(state)) == 4.0 and bool(ls.find_state(state).skipped)
+
+
+def test_inject_hyperparams_inside():
+    params = {"w": jnp.ones(2)}
+    tx = ls.dynamic(optax.inject_hyperparams(optax.sgd)(learning_rate=0.5), initial_scale=4.0)
+    state = tx.init(params)
+    state.inner_state.hyperparams["learning_rate"] = jnp.array(0.25)
+    updates, state = jax.jit(tx.update)({"w": jnp.array([4.0, 8.0])}, state, params)
+    np.testing.assert_allclose(updates["w"], [-0.25, -0.5])
+    assert float(state.inner_state.hyperparams["learning_rate"]) == 0.25
+
+
+def test_extra_args_reach_the_inner_optimizer():
+    params = jnp.array([1.0, 2.0])
+    tx = ls.dynamic(optax.polyak_sgd(max_learning_rate=10.0), initial_scale=2.0)
+    state = tx.init(params)
+    grads = 2.0 * params * 2.0  # grad of sum(p**2), scaled by 2
+    updates, state = jax.jit(tx.update)(grads, state, params, value=jnp.sum(params**2))
+    expected, _ = optax.polyak_sgd(max_learning_rate=10.0).update(
+        2.0 * params, optax.polyak_sgd(10.0).init(params), params, value=jnp.sum(params**2)
+    )
+    np.testing.assert_allclose(updates, expected, rtol=1e-6)
+
+
+def test_params_none_where_the_inner_allows_it():
+    tx = ls.dynamic(optax.adam(0.1), initial_scale=2.0)
+    state = tx.init(jnp.zeros(2))
+    updates, state = jax.jit(tx.update)(jnp.array([2.0, 4.0]), state)
+    assert updates.shape == (2,) and bool(jnp.all(jnp.isfinite(updates)))
+    updates, state = jax.jit(tx.update)(jnp.array([2.0, jnp.nan]), state)
+    np.testing.assert_array_equal(updates, [0.0, 0.0])
+
+
+def test_empty_and_masked_trees():
+    tx = ls.dynamic(optax.adam(0.1))
+    state = tx.init({})
+    updates, state = jax.jit(tx.update)({}, state, {})
+    assert updates == {} and not bool(state.skipped)
+    params = {"w": jnp.ones(2), "frozen": jnp.ones(3)}
+    tx = ls.dynamic(optax.masked(optax.adam(0.1), {"w": True, "frozen": False}), initial_scale=2.0)
+    state = tx.init(params)
+    grads = {"w": jnp.array([2.0, 2.0]), "frozen": jnp.array([1.0, 1.0, 1.0])}
+    updates, state = jax.jit(tx.update)(grads, state, params)
+    np.testing.assert_array_equal(updates["frozen"], [0.5, 0.5, 0.5])  # unscaled, not optimized
+
+
+def test_integer_leaves_pass_through():
+    params = {"w": jnp.ones(2), "step": jnp.array(3, jnp.int32)}
+    tx = ls.dynamic(optax.identity(), initial_scale=4.0)
+    updates, state = jax.jit(tx.update)({"w": jnp.array([4.0, 8.0]), "step": jnp.array(7, jnp.int32)}, tx.init(params))
+    assert updates["step"].dtype == jnp.int32 and int(updates["step"]) == 7
+    np.testing.assert_array_equal(updates["w"], [1.0, 2.0])
+
+
+def test_float16_params_still_train():
+    # Keep float32 master params in real training: an update smaller than half
+    # the float16 spacing of a weight leaves it unchanged. It still works.
+    params = {"w": jnp.array([1.0, -1.0], jnp.float16)}
+    tx = ls.dynamic(optax.adam(1e-2), initial_scale=2.0**10)
+    state = tx.init(params)
+    for _ in range(5):
+        loss, grads = ls.value_and_grad(lambda p: jnp.sum(p["w"].astype(jnp.float32) ** 2))(state, params)
+        updates, state = jax.jit(tx.update)(grads, state, params)
+        params = optax.apply_updates(params, updates)
+    assert params["w"].dtype == jnp.float16 and state.inner_state[0].mu["w"].dtype == jnp.float16
+    assert float(params["w"][0]) < 1.0 and int(state.skipped_steps) == 0
+
+
+def test_scale_is_traced_so_nothing_recompiles():
+    params = make_params()
+    tx = ls.dynamic(optax.adam(1e-2), initial_scale=2.0**12, growth_interval=2)
+
+    @jax.jit
+    def step(params, state, poison):
+        grads = make_grads(ls.get_scale(state))
+        grads["dense"]["w"] = grads["dense"]["w"] * poison
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = tx.init(params)
+    scales = set()
+    for poison in [1.0, 1.0, 1.0, jnp.inf, 1.0, jnp.nan, 1.0, 1.0]:
+        params, state = step(params, state, jnp.float32(poison))
+        scales.add(float(state.scale))
+    assert len(scales) >= 3 and step._cache_size() == 1
+
+
+def test_donated_state():
+    params = make_params()
+    tx = ls.dynamic(optax.adam(1e-2), initial_scale=2.0**12)
+
+    def step(params, state, poison):
+        grads = make_grads(ls.get_scale(state))
+        grads["half"] = grads["half"] * poison.astype(jnp.float16)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    step = jax.jit(step, donate_argnums=(0, 1))
+    state = tx.init(params)
+    for poison in [1.0, jnp.inf, 1.0]:
+        old = state
+        params, state = step(params, state, jnp.float32(poison))
+        assert old.scale.is_deleted()
+    assert int(state.skipped_steps) == 1 and int(state.inner_state[0].count) == 2
+
+
+def test_vmap_gives_each_model_its_own_decision():
+    tx = ls.dynamic(optax.adam(0.1), initial_scale=8.0)
+    params = jnp.ones((3, 2))
+    states = jax.vmap(tx.init)(params)
+    grads = jnp.array([[8.0, 8.0], [jnp.inf, 8.0], [8.0, jnp.nan]])
+    updates, states = jax.jit(jax.vmap(tx.update))(grads, states, params)
+    np.testing.assert_array_equal(states.skipped, [False, True, True])
+    np.testing.assert_array_equal(states.scale, [8.0, 4.0, 4.0])
+    np.testing.assert_array_equal(states.inner_state[0].count, [1, 0, 0])
+    assert bool(jnp.all(jnp.isfinite(updates))) and bool(jnp.all(updates[1:] == 0))
+
+
+class MultiStepsTest(chex.TestCase):
+    def test_loss_scale_outside_multisteps_drops_only_the_bad_micro_batch(self):
+        params = jnp.zeros(2)
+        tx = ls.dynamic(optax.MultiSteps(optax.sgd(1.0), every_k_schedule=3), initial_scale=4.0)
+        state = tx.init(params)
+        update = jax.jit(tx.update)
+        micro = [jnp.array([1.0, 2.0]), jnp.array([jnp.inf, 0.0]), jnp.array([3.0, 4.0]), jnp.array([5.0, 6.0])]
+        for g in micro:
+            updates, state = update(g * ls.get_scale(state), state, params)
+            params = optax.apply_updates(params, updates)
+        # The window is the three finite micro-batches; the overflowing one
+        # was dropped and did not count.
+        np.testing.assert_allclose(params, -(micro[0] + micro[2] + micro[3]) / 3)
+        assert int(state.skipped_steps) == 1 and float(state.scale) == 2.0
+
+    def test_loss_scale_inside_multisteps_skips_the_whole_window(self):
+        params = jnp.zeros(2)
+        tx = optax.MultiSteps(ls.dynamic(optax.sgd(1.0), initial_scale=4.0), every_k_schedule=2)
+        state = tx.init(params)
+        update = jax.jit(tx.update)
+        for g in [jnp.array([1.0, 2.0]), jnp.array([jnp.inf, 0.0])]:
+            updates, state = update(g * ls.get_scale(state), state, params)
+            params = optax.apply_updates(params, updates)
+        np.testing.assert_array_equal(params, [0.0, 0.0])
+        assert float(ls.get_scale(state)) == 2.0 and bool(ls.find_state(state).skipped)
+        # optax.MultiSteps resets its accumulator as (1 - emit) * acc, and
+        # 0 * inf is nan: the accumulator stays poisoned and every later
+        # window is skipped too. This is why the README recommends
+        # ls.dynamic(optax.MultiSteps(...)), where overflows never reach it.
+        assert not bool(ls.all_finite(state.acc_grads))
+        for g in [jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])]:
+            updates, state = update(g * ls.get_scale(state), state, params)
+            params = optax.apply_updates(params, updates)
+        np.testing.assert_array_equal(params, [0.0, 0.0])
+        assert bool(ls.find_state(state).skipped) and bool(jnp.all(jnp.isfinite(params)))
