@@ -14,9 +14,10 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-FLOAT32_TINY = float(jnp.finfo(jnp.float32).tiny)
+FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 
 class LossScaleState(NamedTuple):
@@ -133,7 +134,7 @@ class DynamicRule:
         _check_int("hysteresis", self.hysteresis, 1)
         if not isinstance(self.consecutive_hysteresis, bool):
             raise TypeError(f"consecutive_hysteresis must be a bool, got {self.consecutive_hysteresis!r}")
-        if float(jnp.float32(initial)) < FLOAT32_TINY or float(jnp.float32(minimum)) < FLOAT32_TINY:
+        if float(np.float32(initial)) < FLOAT32_TINY or float(np.float32(minimum)) < FLOAT32_TINY:
             raise ValueError(
                 f"initial_scale and min_scale must be at least float32's smallest normal "
                 f"({FLOAT32_TINY}), got {self.initial_scale!r} and {self.min_scale!r}"
