@@ -9,6 +9,7 @@ Example:
 """
 
 from loss_scale._grad import find_state, get_scale, scale_loss, unscale, value_and_grad
+from loss_scale._metrics import metrics, overflow_paths
 from loss_scale._state import LossScaleState
 from loss_scale._transform import dynamic, no_op, static
 from loss_scale._tree import all_finite
@@ -21,7 +22,9 @@ __all__ = [
     "dynamic",
     "find_state",
     "get_scale",
+    "metrics",
     "no_op",
+    "overflow_paths",
     "scale_loss",
     "static",
     "unscale",

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from typing import Any
 
 import jax
@@ -99,6 +99,8 @@ def value_and_grad(
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     allow_int: bool = False,
+    *,
+    axis_name: Hashable | None = None,
 ) -> Callable[..., tuple[Any, PyTree]]:
     """Like ``jax.value_and_grad``, differentiating ``fun(...) * scale``.
 
@@ -108,6 +110,8 @@ def value_and_grad(
       argnums: which positional arguments of ``fun`` to differentiate.
       has_aux: whether ``fun`` returns auxiliary data.
       allow_int: as in ``jax.grad``: integer inputs get ``float0`` gradients.
+      axis_name: under ``shard_map`` or ``pmap``, average the gradients over
+        this axis (data parallelism). The returned value is the local one.
 
     Returns:
       A function ``(opt_state, *args, **kwargs) -> (value, grads)`` where
@@ -142,6 +146,8 @@ def value_and_grad(
     def wrapped(opt_state: PyTree, *args, **kwargs):
         scale = jax.lax.stop_gradient(get_scale(opt_state))
         grads, out = grad_fn(scale, *args, **kwargs)
+        if axis_name is not None:
+            grads = jax.lax.pmean(grads, axis_name)
         return out, grads
 
     return wrapped

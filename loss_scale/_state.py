@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from loss_scale._tree import GradStats
+
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 
 
@@ -24,7 +26,8 @@ class LossScaleState(NamedTuple):
     """State of a loss-scaling transformation.
 
     A NamedTuple, so optax's tree utilities, ``jax.tree`` functions and
-    checkpointers see its fields. All fields but ``inner_state`` are scalars.
+    checkpointers see its fields. All fields but ``nonfinite_leaves`` and
+    ``inner_state`` are scalars; ``loss_scale.metrics`` reads them as a dict.
 
     Attributes:
       scale: the current loss scale, float32. The loss is multiplied by it
@@ -38,6 +41,18 @@ class LossScaleState(NamedTuple):
       skipped: bool, whether the most recent update was skipped.
       skipped_steps: int32, total number of skipped updates.
       consecutive_skips: int32, skipped updates since the last applied one.
+      growths: int32, how many times the scale went up.
+      backoffs: int32, how many times the scale went down.
+      steps_at_min: int32, steps taken with the scale at ``min_scale``
+        (many of them, with skips, mean the gradients overflow at any scale).
+      grad_max: float32, the largest unscaled gradient magnitude of the last
+        step (inf or nan when it overflowed).
+      grad_norm: float32, the global norm of the last step's unscaled
+        gradients, when tracked (``track_grad_norm`` or ``max_grad_norm``);
+        nan otherwise.
+      nonfinite_leaves: bool[n], which gradient leaves were non-finite on the
+        most recent skipped step, when ``locate_overflows=True``; bool[0]
+        otherwise. ``loss_scale.overflow_paths`` names them.
       inner_state: the wrapped optimizer's state; unchanged on skipped steps.
     """
 
@@ -47,6 +62,12 @@ class LossScaleState(NamedTuple):
     skipped: jax.Array
     skipped_steps: jax.Array
     consecutive_skips: jax.Array
+    growths: jax.Array
+    backoffs: jax.Array
+    steps_at_min: jax.Array
+    grad_max: jax.Array
+    grad_norm: jax.Array
+    nonfinite_leaves: jax.Array
     inner_state: optax.OptState
 
 
@@ -140,6 +161,11 @@ class DynamicRule:
                 f"({FLOAT32_TINY}), got {self.initial_scale!r} and {self.min_scale!r}"
             )
 
+    @property
+    def floor(self) -> float:
+        """The lowest scale the rule can reach."""
+        return float(np.float32(self.min_scale))
+
     def init(self) -> ScaleCounters:
         return ScaleCounters(
             scale=jnp.asarray(self.initial_scale, jnp.float32),
@@ -184,6 +210,9 @@ class StaticRule:
     def __post_init__(self):
         _check_positive_finite("scale", self.scale)
 
+    # A fixed scale has no floor to get stuck at.
+    floor = 0.0
+
     def init(self) -> ScaleCounters:
         return ScaleCounters(
             scale=jnp.asarray(self.scale, jnp.float32),
@@ -199,24 +228,51 @@ class StaticRule:
 Rule = DynamicRule | StaticRule
 
 
-def init_state(rule: Rule, inner_state: optax.OptState) -> LossScaleState:
-    """A fresh state: the rule's initial counters and no skipped steps."""
+def init_state(rule: Rule, inner_state: optax.OptState, num_leaves: int = 0) -> LossScaleState:
+    """A fresh state: the rule's initial counters and no skipped steps.
+
+    ``num_leaves`` sizes ``nonfinite_leaves`` (0 when overflows are not
+    located)."""
     counters = rule.init()
+
+    def zero():
+        # A new array per field: one array in two fields could not be donated.
+        return jnp.zeros((), jnp.int32)
+
     return LossScaleState(
         scale=counters.scale,
         good_steps=counters.good_steps,
         overflow_budget=counters.overflow_budget,
         skipped=jnp.zeros((), jnp.bool_),
-        skipped_steps=jnp.zeros((), jnp.int32),
-        consecutive_skips=jnp.zeros((), jnp.int32),
+        skipped_steps=zero(),
+        consecutive_skips=zero(),
+        growths=zero(),
+        backoffs=zero(),
+        steps_at_min=zero(),
+        grad_max=jnp.zeros((), jnp.float32),
+        grad_norm=jnp.full((), jnp.nan, jnp.float32),
+        nonfinite_leaves=jnp.zeros((num_leaves,), jnp.bool_),
         inner_state=inner_state,
     )
 
 
-def next_state(rule: Rule, state: LossScaleState, finite: jax.Array, inner_state: optax.OptState) -> LossScaleState:
-    """The state after one update whose unscaled gradients were ``finite``."""
+def next_state(
+    rule: Rule,
+    state: LossScaleState,
+    stats: GradStats,
+    finite: jax.Array,
+    inner_state: optax.OptState,
+) -> LossScaleState:
+    """The state after one update: the rule moves the scale, the counters
+    record what happened, the statistics of this step replace the last."""
     counters = rule.adjust(ScaleCounters(state.scale, state.good_steps, state.overflow_budget), finite)
     skipped = jnp.logical_not(finite)
+    nonfinite_leaves = state.nonfinite_leaves
+    if nonfinite_leaves.shape[0]:
+        # Kept from the most recent skipped step, so a later clean step does
+        # not erase the evidence.
+        nonfinite_leaves = jnp.where(skipped, jnp.logical_not(stats.leaf_finite), nonfinite_leaves)
+    grad_norm = jnp.sqrt(stats.sq_norm) if stats.sq_norm is not None else state.grad_norm
     return LossScaleState(
         scale=counters.scale,
         good_steps=counters.good_steps,
@@ -224,5 +280,11 @@ def next_state(rule: Rule, state: LossScaleState, finite: jax.Array, inner_state
         skipped=skipped,
         skipped_steps=state.skipped_steps + skipped.astype(jnp.int32),
         consecutive_skips=jnp.where(skipped, state.consecutive_skips + 1, 0).astype(jnp.int32),
+        growths=state.growths + (counters.scale > state.scale).astype(jnp.int32),
+        backoffs=state.backoffs + (counters.scale < state.scale).astype(jnp.int32),
+        steps_at_min=state.steps_at_min + (state.scale <= rule.floor).astype(jnp.int32),
+        grad_max=stats.grad_max,
+        grad_norm=grad_norm,
+        nonfinite_leaves=nonfinite_leaves,
         inner_state=inner_state,
     )

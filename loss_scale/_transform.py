@@ -13,13 +13,24 @@ One update, in order:
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from collections.abc import Hashable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from loss_scale._state import DynamicRule, LossScaleState, Rule, StaticRule, init_state, next_state
-from loss_scale._tree import all_flags, leaf_finite_flags, unscale_tree, zeros_like_shapes
+from loss_scale._tree import (
+    GradStats,
+    gradient_stats,
+    match_varying,
+    unscale_and_clip_tree,
+    unscale_tree,
+    zeros_like_shapes,
+)
 from loss_scale._types import PyTree
 
 
@@ -58,11 +69,51 @@ def _check_state_types(before: PyTree, after: PyTree) -> None:
             )
 
 
-def _loss_scaled(inner: Any, rule: Rule, check_finite: bool = True) -> optax.GradientTransformationExtraArgs:
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """What the update does besides scaling; validated once."""
+
+    check_finite: bool = True
+    max_grad_norm: float | None = None
+    track_grad_norm: bool = False
+    locate_overflows: bool = False
+    axis_name: Hashable | None = None
+
+    def __post_init__(self):
+        if self.max_grad_norm is not None:
+            try:
+                norm = float(self.max_grad_norm)
+            except (TypeError, ValueError):
+                raise TypeError(f"max_grad_norm must be a real number or None, got {self.max_grad_norm!r}") from None
+            if not math.isfinite(norm) or norm <= 0:
+                raise ValueError(f"max_grad_norm must be finite and > 0, got {self.max_grad_norm!r}")
+        for name in ("track_grad_norm", "locate_overflows"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+
+    @property
+    def with_norm(self) -> bool:
+        return self.track_grad_norm or self.max_grad_norm is not None
+
+
+def _agree(stats: GradStats, axis_name: Hashable | None) -> GradStats:
+    """Makes every replica along ``axis_name`` see the same flags and maximum,
+    so that all of them take the same branch and keep the same scale."""
+    if axis_name is None:
+        return stats
+    leaf_finite = jax.lax.pmin(stats.leaf_finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    # max is NaN-propagating, so a NaN on any replica reaches every replica.
+    grad_max = jax.lax.pmax(stats.grad_max, axis_name)
+    return stats._replace(leaf_finite=leaf_finite, grad_max=grad_max)
+
+
+def loss_scaled(inner: Any, rule: Rule, options: Options) -> optax.GradientTransformationExtraArgs:
+    """The transformation behind ``dynamic``, ``static`` and ``no_op``."""
     inner = as_transformation(inner)
 
     def init_fn(params: optax.Params) -> LossScaleState:
-        return init_state(rule, inner.init(params))
+        num_leaves = len(jax.tree.leaves(params)) if options.locate_overflows else 0
+        return init_state(rule, inner.init(params), num_leaves)
 
     def update_fn(
         updates: optax.Updates,
@@ -75,24 +126,42 @@ def _loss_scaled(inner: Any, rule: Rule, check_finite: bool = True) -> optax.Gra
                 f"state must be the LossScaleState made by this transformation's init, got {type(state).__name__}"
             )
         scale = state.scale
+        if options.locate_overflows and len(jax.tree.leaves(updates)) != state.nonfinite_leaves.shape[0]:
+            raise ValueError(
+                f"locate_overflows: the gradients have {len(jax.tree.leaves(updates))} leaves but init saw "
+                f"{state.nonfinite_leaves.shape[0]} (init with a tree of the gradients' structure)"
+            )
+
+        if not options.check_finite:
+            new_updates, inner_state = inner.update(
+                unscale_tree(updates, scale), state.inner_state, params, **extra_args
+            )
+            stats = GradStats(jnp.ones((0,), jnp.bool_), jnp.full((), jnp.nan, jnp.float32), None)
+            return new_updates, next_state(rule, state, stats, jnp.array(True), inner_state)
+
+        stats = _agree(gradient_stats(updates, scale, with_norm=options.with_norm), options.axis_name)
+        finite = jnp.all(stats.leaf_finite)
+        clip_factor = None
+        if options.max_grad_norm is not None:
+            norm = jnp.sqrt(stats.sq_norm)
+            clip_factor = jnp.where(norm < options.max_grad_norm, 1.0, options.max_grad_norm / norm)
 
         def apply(grads, inner_state, params):
-            return inner.update(unscale_tree(grads, scale), inner_state, params, **extra_args)
-
-        if not check_finite:
-            new_updates, inner_state = apply(updates, state.inner_state, params)
-            return new_updates, next_state(rule, state, jax.numpy.array(True), inner_state)
+            # The unscale (and clip) sits inside the taken branch, where XLA
+            # fuses it with the inner optimizer's elementwise pass.
+            grads = unscale_and_clip_tree(grads, scale, clip_factor)
+            return inner.update(grads, inner_state, params, **extra_args)
 
         out_shapes = jax.eval_shape(apply, updates, state.inner_state, params)
         _check_state_types(state.inner_state, out_shapes[1])
 
         def skip(grads, inner_state, params):
             del grads, params
+            inner_state = jax.tree.map(match_varying, inner_state, out_shapes[1])
             return zeros_like_shapes(out_shapes[0]), inner_state
 
-        finite = all_flags(leaf_finite_flags(updates, scale))
         new_updates, inner_state = jax.lax.cond(finite, apply, skip, updates, state.inner_state, params)
-        return new_updates, next_state(rule, state, finite, inner_state)
+        return new_updates, next_state(rule, state, stats, finite, inner_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -107,6 +176,11 @@ def dynamic(
     max_scale: float = 2.0**24,
     hysteresis: int = 1,
     consecutive_hysteresis: bool = False,
+    *,
+    max_grad_norm: float | None = None,
+    track_grad_norm: bool = False,
+    locate_overflows: bool = False,
+    axis_name: Hashable | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Dynamic loss scaling around any optax optimizer.
 
@@ -138,6 +212,19 @@ def dynamic(
       hysteresis: overflows tolerated before backing off, >= 1.
       consecutive_hysteresis: refill the hysteresis on every clean step
         instead of only on growth.
+      max_grad_norm: clip the unscaled gradients to this global norm before
+        the inner update, on finite steps only; the same as
+        ``optax.chain(optax.clip_by_global_norm(max_grad_norm), inner)``
+        inside the wrapper, with the norm taken in the check's pass.
+      track_grad_norm: record the unscaled global gradient norm in the state
+        (``grad_norm``); costs a sum of squares over the gradients.
+      locate_overflows: record which gradient leaves were non-finite on the
+        last skipped step (``loss_scale.overflow_paths`` names them); costs a
+        bool per leaf in the state.
+      axis_name: under ``shard_map`` or ``pmap``, the axis over which the
+        replicas agree on the finite check and the maximum, so that all of
+        them skip the same steps and keep the same scale. The norm is that of
+        the local gradients (average them first, see ``value_and_grad``).
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -169,15 +256,31 @@ def dynamic(
         hysteresis=hysteresis,
         consecutive_hysteresis=consecutive_hysteresis,
     )
-    return _loss_scaled(inner, rule)
+    options = Options(
+        max_grad_norm=max_grad_norm,
+        track_grad_norm=track_grad_norm,
+        locate_overflows=locate_overflows,
+        axis_name=axis_name,
+    )
+    return loss_scaled(inner, rule, options)
 
 
-def static(inner: optax.GradientTransformation, scale: float) -> optax.GradientTransformationExtraArgs:
+def static(
+    inner: optax.GradientTransformation,
+    scale: float,
+    *,
+    max_grad_norm: float | None = None,
+    track_grad_norm: bool = False,
+    locate_overflows: bool = False,
+    axis_name: Hashable | None = None,
+) -> optax.GradientTransformationExtraArgs:
     """A fixed loss scale around ``inner``; non-finite steps are still skipped.
 
     Args:
       inner: the optimizer to wrap.
       scale: the loss scale, finite and > 0.
+      max_grad_norm, track_grad_norm, locate_overflows, axis_name: as in
+        ``dynamic``.
 
     Example:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
@@ -187,7 +290,13 @@ def static(inner: optax.GradientTransformation, scale: float) -> optax.GradientT
       >>> updates, bool(state.skipped)
       (Array([0., 0.], dtype=float32), True)
     """
-    return _loss_scaled(inner, StaticRule(scale))
+    options = Options(
+        max_grad_norm=max_grad_norm,
+        track_grad_norm=track_grad_norm,
+        locate_overflows=locate_overflows,
+        axis_name=axis_name,
+    )
+    return loss_scaled(inner, StaticRule(scale), options)
 
 
 def no_op(inner: optax.GradientTransformation, skip_nonfinite: bool = False) -> optax.GradientTransformationExtraArgs:
@@ -210,4 +319,4 @@ def no_op(inner: optax.GradientTransformation, skip_nonfinite: bool = False) -> 
     """
     if not isinstance(skip_nonfinite, bool):
         raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}")
-    return _loss_scaled(inner, StaticRule(1.0), check_finite=skip_nonfinite)
+    return loss_scaled(inner, StaticRule(1.0), Options(check_finite=skip_nonfinite))

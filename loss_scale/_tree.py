@@ -7,6 +7,8 @@ through untouched; ``None`` and ``optax.MaskedNode`` are empty subtrees.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
@@ -39,29 +41,6 @@ def max_abs(x: jax.Array) -> jax.Array:
     return jnp.max(jnp.abs(x))
 
 
-def unscaled_leaf_finite(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """Whether every element of ``unscale_leaf(x, scale)`` is finite.
-
-    Computed from ``max|x|`` alone, by unscaling it exactly as the elements
-    are unscaled: the unscale is monotone, so the largest unscaled magnitude
-    comes from the largest scaled one. This stays exact when ``scale < 1``,
-    where a finite gradient can overflow once divided.
-    """
-    return jnp.isfinite(unscale_leaf(max_abs(x), scale))
-
-
-def leaf_finite_flags(tree: PyTree, scale: jax.Array) -> list[jax.Array]:
-    """One bool scalar per floating leaf: is that leaf finite once unscaled."""
-    return [unscaled_leaf_finite(x, scale) for x in jax.tree.leaves(tree) if is_float_leaf(x)]
-
-
-def all_flags(flags: list[jax.Array]) -> jax.Array:
-    """Logical and of scalar flags; ``True`` for an empty list."""
-    if not flags:
-        return jnp.array(True)
-    return jnp.all(jnp.stack(flags))
-
-
 def all_finite(tree: PyTree) -> jax.Array:
     """Whether every element of every floating leaf of ``tree`` is finite.
 
@@ -79,13 +58,12 @@ def all_finite(tree: PyTree) -> jax.Array:
       >>> bool(ls.all_finite({"w": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
       False
     """
-    return all_flags([jnp.isfinite(max_abs(x)) for x in jax.tree.leaves(tree) if is_float_leaf(x)])
+    flags = [jnp.isfinite(max_abs(x)) for x in jax.tree.leaves(tree) if is_float_leaf(x)]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
 
 
-def unscale_leaf(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """``x / scale`` computed in at least float32 and returned in ``x.dtype``."""
-    if not is_float_leaf(x):
-        return x
+def unscaled_value(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """``x / scale`` in ``compute_dtype(x.dtype)`` (at least float32)."""
     dtype = compute_dtype(x.dtype)
     scale = scale.astype(dtype)
     # XLA rewrites x / s as x * (1 / s), and for s > 2**126 that reciprocal is
@@ -95,7 +73,14 @@ def unscale_leaf(x: jax.Array, scale: jax.Array) -> jax.Array:
     large = scale > 1
     reciprocal = jnp.where(large, 4 / scale, 1 / scale)
     correction = jnp.where(large, 0.25, 1.0).astype(dtype)
-    return (x.astype(dtype) * reciprocal * correction).astype(x.dtype)
+    return x.astype(dtype) * reciprocal * correction
+
+
+def unscale_leaf(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """``x / scale`` computed in at least float32 and returned in ``x.dtype``."""
+    if not is_float_leaf(x):
+        return x
+    return unscaled_value(x, scale).astype(x.dtype)
 
 
 def unscale_tree(tree: PyTree, scale: jax.Array) -> PyTree:
@@ -103,6 +88,83 @@ def unscale_tree(tree: PyTree, scale: jax.Array) -> PyTree:
     return jax.tree.map(lambda x: unscale_leaf(x, scale), tree)
 
 
+def _varying_axes(x) -> frozenset:
+    """The manual mesh axes (``shard_map``) along which ``x``'s type varies."""
+    manual = getattr(x, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(x, "vma", ()))
+
+
+def match_varying(x: jax.Array, like) -> jax.Array:
+    """``x`` marked as varying along the ``shard_map`` axes ``like`` varies
+    along, so that both branches of a ``lax.cond`` have the same type. Only
+    the type changes, never the values."""
+    missing = _varying_axes(like) - _varying_axes(jax.typeof(x))
+    if not missing:
+        return x
+    cast = getattr(jax.lax, "pcast", None)
+    if cast is not None:
+        return cast(x, tuple(sorted(missing)), to="varying")
+    return jax.lax.pvary(x, tuple(sorted(missing)))
+
+
 def zeros_like_shapes(shapes: PyTree) -> PyTree:
-    """Zeros with the shapes and dtypes of a tree of ``ShapeDtypeStruct``."""
-    return jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
+    """Zeros with the shapes, dtypes (and ``shard_map`` axis types) of a tree
+    of ``ShapeDtypeStruct``."""
+    return jax.tree.map(lambda s: match_varying(jnp.zeros(s.shape, s.dtype), s), shapes)
+
+
+class GradStats(NamedTuple):
+    """What one pass over the scaled gradients tells about the unscaled ones.
+
+    Attributes:
+      leaf_finite: bool[n], one flag per leaf of the gradient tree (in
+        ``jax.tree.leaves`` order); non-floating leaves count as finite.
+      grad_max: float32, the largest unscaled magnitude (inf or nan when a
+        gradient is not finite).
+      sq_norm: float32, the squared global norm of the unscaled gradients, or
+        ``None`` when it was not asked for.
+    """
+
+    leaf_finite: jax.Array
+    grad_max: jax.Array
+    sq_norm: jax.Array | None
+
+
+def gradient_stats(tree: PyTree, scale: jax.Array, with_norm: bool = False) -> GradStats:
+    """The finite check, the largest magnitude and optionally the norm.
+
+    Each floating leaf is reduced once with ``max|x|``; with ``with_norm`` a
+    sum of squares of the unscaled values joins it (XLA can fuse both
+    reductions into one read, but that depends on the backend).
+    """
+    flags, maxima, squares = [], [], []
+    for x in jax.tree.leaves(tree):
+        if not is_float_leaf(x):
+            flags.append(jnp.array(True))
+            continue
+        unscaled_max = unscale_leaf(max_abs(x), scale)
+        flags.append(jnp.isfinite(unscaled_max))
+        maxima.append(jnp.real(unscaled_max).astype(jnp.float32))
+        if with_norm:
+            unscaled = unscale_leaf(x, scale).astype(compute_dtype(x.dtype))  # as the inner sees it
+            squares.append(jnp.sum(jnp.real(unscaled * jnp.conj(unscaled))).astype(jnp.float32))
+    leaf_finite = jnp.stack(flags) if flags else jnp.zeros((0,), jnp.bool_)
+    grad_max = jnp.max(jnp.stack(maxima)) if maxima else jnp.zeros((), jnp.float32)
+    sq_norm = (sum(squares) if squares else jnp.zeros((), jnp.float32)) if with_norm else None
+    return GradStats(leaf_finite, grad_max, sq_norm)
+
+
+def unscale_and_clip_tree(tree: PyTree, scale: jax.Array, clip_factor: jax.Array | None) -> PyTree:
+    """``unscale_tree``, then a multiplication by ``clip_factor`` (a float32
+    scalar, 1 when no clipping is needed) in the same elementwise pass."""
+    if clip_factor is None:
+        return unscale_tree(tree, scale)
+
+    def leaf(x):
+        if not is_float_leaf(x):
+            return x
+        return (unscaled_value(x, scale) * clip_factor.astype(compute_dtype(x.dtype))).astype(x.dtype)
+
+    return jax.tree.map(leaf, tree)

@@ -1,6 +1,11 @@
 """Shared test configuration."""
 
-import jax
+import os
+
+# Eight virtual CPU devices for the sharding tests; set before jax starts.
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
+
+import jax  # noqa: E402
 
 # The fixture recorder imports torch, which the tests do not need.
 collect_ignore = ["data"]

@@ -7,7 +7,12 @@ import optax
 import pytest
 
 import loss_scale as ls
-from loss_scale._tree import leaf_finite_flags, unscale_leaf, unscale_tree
+from loss_scale._tree import gradient_stats, unscale_leaf, unscale_tree
+
+
+def leaf_finite_flags(tree, scale):
+    return list(gradient_stats(tree, scale).leaf_finite)
+
 
 FLOATS = [jnp.float16, jnp.bfloat16, jnp.float32]
 

@@ -1,0 +1,82 @@
+"""Diagnostics read from the state: a flat dict for loggers, overflow paths."""
+
+from __future__ import annotations
+
+import jax
+
+from loss_scale._grad import find_state
+from loss_scale._types import PyTree
+
+_SCALARS = (
+    "scale",
+    "skipped",
+    "skipped_steps",
+    "consecutive_skips",
+    "good_steps",
+    "growths",
+    "backoffs",
+    "steps_at_min",
+    "grad_max",
+    "grad_norm",
+)
+
+
+def metrics(opt_state: PyTree, prefix: str = "loss_scale/") -> dict[str, jax.Array]:
+    """A flat dict of scalars describing the scaler, for any logger.
+
+    Args:
+      opt_state: an optimizer state holding a loss-scale state (anywhere).
+      prefix: put in front of every key.
+
+    Returns:
+      ``{prefix + name: scalar}`` for ``scale``, ``skipped``,
+      ``skipped_steps``, ``consecutive_skips``, ``good_steps``, ``growths``,
+      ``backoffs``, ``steps_at_min``, ``grad_max`` and ``grad_norm`` (nan
+      unless tracked). Works inside ``jit``; pass the result to clu,
+      tensorboardX or wandb as it is.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, loss_scale as ls
+      >>> tx = ls.dynamic(optax.sgd(0.1), initial_scale=8.0)
+      >>> state = tx.init(jnp.zeros(2))
+      >>> _, state = tx.update(jnp.array([8.0, jnp.inf]), state)
+      >>> m = ls.metrics(state)
+      >>> float(m["loss_scale/scale"]), int(m["loss_scale/skipped_steps"])
+      (4.0, 1)
+    """
+    state = find_state(opt_state)
+    return {prefix + name: getattr(state, name) for name in _SCALARS}
+
+
+def overflow_paths(opt_state: PyTree, grads_like: PyTree) -> list[str]:
+    """The gradient leaves that were non-finite on the last skipped step.
+
+    Needs ``locate_overflows=True``. Call it outside ``jit`` (it reads the
+    flags into Python).
+
+    Args:
+      opt_state: an optimizer state holding a loss-scale state.
+      grads_like: any tree with the gradients' structure (the params).
+
+    Returns:
+      ``jax.tree_util.keystr`` paths, in leaf order; empty when no step has
+      been skipped.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, loss_scale as ls
+      >>> params = {"dense": {"w": jnp.zeros(2), "b": jnp.zeros(1)}}
+      >>> tx = ls.dynamic(optax.sgd(0.1), locate_overflows=True)
+      >>> state = tx.init(params)
+      >>> grads = {"dense": {"w": jnp.ones(2), "b": jnp.array([jnp.nan])}}
+      >>> _, state = tx.update(grads, state, params)
+      >>> ls.overflow_paths(state, params)
+      ["['dense']['b']"]
+    """
+    state = find_state(opt_state)
+    flags = jax.device_get(state.nonfinite_leaves)
+    paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(grads_like)[0]]
+    if flags.shape[0] == 0:
+        raise ValueError("overflow_paths needs the transformation built with locate_overflows=True")
+    if len(paths) != flags.shape[0]:
+        raise ValueError(f"grads_like has {len(paths)} leaves, the state tracks {flags.shape[0]}")
+    return [jax.tree_util.keystr(path) for path, bad in zip(paths, flags, strict=True) if bad]
