@@ -34,7 +34,8 @@ class LossScaleState(NamedTuple):
         before differentiation and the gradients are divided by it.
       good_steps: int32, consecutive clean (finite) steps since the last
         growth, backoff or overflow. The scale grows when it reaches the
-        growth interval.
+        growth interval. (Rules that delay the first growth after an
+        overflow start it below 0.)
       overflow_budget: int32, how many more overflows are tolerated before the
         scale backs off (hysteresis). Refilled to ``hysteresis`` on growth (and
         on every clean step with ``consecutive_hysteresis=True``).
@@ -128,6 +129,10 @@ class DynamicRule:
     max_scale: float = 2.0**24
     hysteresis: int = 1
     consecutive_hysteresis: bool = False
+    # Extra clean steps the first growth needs, at the start and after every
+    # overflow (DeepSpeed since 0.17.1 needs one): good_steps restarts at
+    # -growth_delay there, and at 0 after a growth.
+    growth_delay: int = 0
 
     def __post_init__(self):
         initial = _check_positive_finite("initial_scale", self.initial_scale)
@@ -153,6 +158,7 @@ class DynamicRule:
             raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}")
         _check_int("growth_interval", self.growth_interval, 1)
         _check_int("hysteresis", self.hysteresis, 1)
+        _check_int("growth_delay", self.growth_delay, 0)
         if not isinstance(self.consecutive_hysteresis, bool):
             raise TypeError(f"consecutive_hysteresis must be a bool, got {self.consecutive_hysteresis!r}")
         if float(np.float32(initial)) < FLOAT32_TINY or float(np.float32(minimum)) < FLOAT32_TINY:
@@ -169,7 +175,7 @@ class DynamicRule:
     def init(self) -> ScaleCounters:
         return ScaleCounters(
             scale=jnp.asarray(self.initial_scale, jnp.float32),
-            good_steps=jnp.zeros((), jnp.int32),
+            good_steps=jnp.full((), -self.growth_delay, jnp.int32),
             overflow_budget=jnp.asarray(self.hysteresis, jnp.int32),
         )
 
@@ -195,7 +201,7 @@ class DynamicRule:
         shrunk = jnp.maximum(scale * jnp.float32(self.backoff_factor), jnp.float32(self.min_scale))
         overflow = ScaleCounters(
             scale=jnp.where(overflow_budget == 0, shrunk, scale),
-            good_steps=jnp.zeros((), jnp.int32),
+            good_steps=jnp.full((), -self.growth_delay, jnp.int32),
             overflow_budget=overflow_budget,
         )
         return jax.tree.map(lambda c, o: jnp.where(finite, c, o), clean, overflow)

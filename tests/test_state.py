@@ -149,6 +149,14 @@ def test_consecutive_hysteresis_refills_on_every_clean_step():
     np.testing.assert_array_equal(budget, [1, 2, 1, 2, 1, 0, 0])
 
 
+def test_growth_delay_postpones_the_first_growth_after_start_and_overflow():
+    rule = DynamicRule(initial_scale=8.0, growth_interval=2, growth_delay=1)
+    overflows = [False, False, False, False, False, True, False, False, False]
+    scales, good, _ = trajectory(rule, overflows)
+    np.testing.assert_array_equal(scales, [8, 8, 16, 16, 32, 16, 16, 16, 32])
+    np.testing.assert_array_equal(good, [0, 1, 0, 1, 0, -1, 0, 1, 0])
+
+
 def test_static_rule_keeps_its_scale_and_counts_clean_steps():
     scales, good, _ = trajectory(StaticRule(3.0), [False, False, True, False])
     np.testing.assert_array_equal(scales, [3, 3, 3, 3])
