@@ -10,14 +10,16 @@ Example:
 
 from loss_scale._grad import find_state, get_scale, scale_loss, unscale, value_and_grad
 from loss_scale._metrics import metrics, overflow_paths
+from loss_scale._migrate import wrap_opt_state
 from loss_scale._state import LossScaleState
-from loss_scale._transform import dynamic, no_op, static
+from loss_scale._transform import SkippedStepsError, dynamic, no_op, static
 from loss_scale._tree import all_finite
 
 __version__ = "0.1.0"
 
 __all__ = [
     "LossScaleState",
+    "SkippedStepsError",
     "all_finite",
     "dynamic",
     "find_state",
@@ -29,4 +31,5 @@ __all__ = [
     "static",
     "unscale",
     "value_and_grad",
+    "wrap_opt_state",
 ]

@@ -73,10 +73,10 @@ def overflow_paths(opt_state: PyTree, grads_like: PyTree) -> list[str]:
       ["['dense']['b']"]
     """
     state = find_state(opt_state)
+    if state.nonfinite_leaves is None:
+        raise ValueError("overflow_paths needs the transformation built with locate_overflows=True")
     flags = jax.device_get(state.nonfinite_leaves)
     paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(grads_like)[0]]
-    if flags.shape[0] == 0:
-        raise ValueError("overflow_paths needs the transformation built with locate_overflows=True")
     if len(paths) != flags.shape[0]:
         raise ValueError(f"grads_like has {len(paths)} leaves, the state tracks {flags.shape[0]}")
     return [jax.tree_util.keystr(path) for path, bad in zip(paths, flags, strict=True) if bad]

@@ -27,7 +27,7 @@ class LossScaleState(NamedTuple):
 
     A NamedTuple, so optax's tree utilities, ``jax.tree`` functions and
     checkpointers see its fields. All fields but ``nonfinite_leaves`` and
-    ``inner_state`` are scalars; ``loss_scale.metrics`` reads them as a dict.
+    ``inner_state`` are scalar arrays; ``loss_scale.metrics`` reads them as a dict.
 
     Attributes:
       scale: the current loss scale, float32. The loss is multiplied by it
@@ -52,8 +52,8 @@ class LossScaleState(NamedTuple):
         gradients, when tracked (``track_grad_norm`` or ``max_grad_norm``);
         nan otherwise.
       nonfinite_leaves: bool[n], which gradient leaves were non-finite on the
-        most recent skipped step, when ``locate_overflows=True``; bool[0]
-        otherwise. ``loss_scale.overflow_paths`` names them.
+        most recent skipped step, when ``locate_overflows=True``; ``None``
+        (an empty subtree) otherwise. ``loss_scale.overflow_paths`` names them.
       inner_state: the wrapped optimizer's state; unchanged on skipped steps.
     """
 
@@ -68,7 +68,7 @@ class LossScaleState(NamedTuple):
     steps_at_min: jax.Array
     grad_max: jax.Array
     grad_norm: jax.Array
-    nonfinite_leaves: jax.Array
+    nonfinite_leaves: jax.Array | None
     inner_state: optax.OptState
 
 
@@ -234,10 +234,10 @@ class StaticRule:
 Rule = DynamicRule | StaticRule
 
 
-def init_state(rule: Rule, inner_state: optax.OptState, num_leaves: int = 0) -> LossScaleState:
+def init_state(rule: Rule, inner_state: optax.OptState, num_leaves: int | None = None) -> LossScaleState:
     """A fresh state: the rule's initial counters and no skipped steps.
 
-    ``num_leaves`` sizes ``nonfinite_leaves`` (0 when overflows are not
+    ``num_leaves`` sizes ``nonfinite_leaves`` (``None`` when overflows are not
     located)."""
     counters = rule.init()
 
@@ -257,7 +257,7 @@ def init_state(rule: Rule, inner_state: optax.OptState, num_leaves: int = 0) -> 
         steps_at_min=zero(),
         grad_max=jnp.zeros((), jnp.float32),
         grad_norm=jnp.full((), jnp.nan, jnp.float32),
-        nonfinite_leaves=jnp.zeros((num_leaves,), jnp.bool_),
+        nonfinite_leaves=None if num_leaves is None else jnp.zeros((num_leaves,), jnp.bool_),
         inner_state=inner_state,
     )
 
@@ -274,7 +274,7 @@ def next_state(
     counters = rule.adjust(ScaleCounters(state.scale, state.good_steps, state.overflow_budget), finite)
     skipped = jnp.logical_not(finite)
     nonfinite_leaves = state.nonfinite_leaves
-    if nonfinite_leaves.shape[0]:
+    if nonfinite_leaves is not None:
         # Kept from the most recent skipped step, so a later clean step does
         # not erase the evidence.
         nonfinite_leaves = jnp.where(skipped, jnp.logical_not(stats.leaf_finite), nonfinite_leaves)

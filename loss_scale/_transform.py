@@ -78,6 +78,7 @@ class Options:
     track_grad_norm: bool = False
     locate_overflows: bool = False
     axis_name: Hashable | None = None
+    max_consecutive_skips: int | None = None
 
     def __post_init__(self):
         if self.max_grad_norm is not None:
@@ -90,6 +91,12 @@ class Options:
         for name in ("track_grad_norm", "locate_overflows"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+        limit = self.max_consecutive_skips
+        if limit is not None:
+            if isinstance(limit, bool) or not isinstance(limit, int):
+                raise TypeError(f"max_consecutive_skips must be an int or None, got {limit!r}")
+            if limit < 1:
+                raise ValueError(f"max_consecutive_skips must be >= 1, got {limit!r}")
 
     @property
     def with_norm(self) -> bool:
@@ -112,7 +119,7 @@ def loss_scaled(inner: Any, rule: Rule, options: Options) -> optax.GradientTrans
     inner = as_transformation(inner)
 
     def init_fn(params: optax.Params) -> LossScaleState:
-        num_leaves = len(jax.tree.leaves(params)) if options.locate_overflows else 0
+        num_leaves = len(jax.tree.leaves(params)) if options.locate_overflows else None
         return init_state(rule, inner.init(params), num_leaves)
 
     def update_fn(
@@ -126,10 +133,12 @@ def loss_scaled(inner: Any, rule: Rule, options: Options) -> optax.GradientTrans
                 f"state must be the LossScaleState made by this transformation's init, got {type(state).__name__}"
             )
         scale = state.scale
-        if options.locate_overflows and len(jax.tree.leaves(updates)) != state.nonfinite_leaves.shape[0]:
+        if options.locate_overflows and (
+            state.nonfinite_leaves is None or len(jax.tree.leaves(updates)) != state.nonfinite_leaves.shape[0]
+        ):
             raise ValueError(
                 f"locate_overflows: the gradients have {len(jax.tree.leaves(updates))} leaves but init saw "
-                f"{state.nonfinite_leaves.shape[0]} (init with a tree of the gradients' structure)"
+                f"{getattr(state.nonfinite_leaves, 'shape', (0,))[0]} (init with a tree of the gradients' structure)"
             )
 
         if not options.check_finite:
@@ -161,9 +170,38 @@ def loss_scaled(inner: Any, rule: Rule, options: Options) -> optax.GradientTrans
             return zeros_like_shapes(out_shapes[0]), inner_state
 
         new_updates, inner_state = jax.lax.cond(finite, apply, skip, updates, state.inner_state, params)
-        return new_updates, next_state(rule, state, stats, finite, inner_state)
+        new_state = next_state(rule, state, stats, finite, inner_state)
+        if options.max_consecutive_skips is not None:
+            _raise_when_stuck(new_state, stats, updates, options.max_consecutive_skips)
+        return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class SkippedStepsError(FloatingPointError):
+    """Raised (through ``jax.debug.callback``) when more consecutive steps than
+    ``max_consecutive_skips`` were skipped. Under ``jit`` it reaches the caller
+    wrapped in a ``jax.errors.JaxRuntimeError`` that carries its message."""
+
+
+def _raise_when_stuck(state: LossScaleState, stats: GradStats, grads: PyTree, limit: int) -> None:
+    """A host callback, run only on the step where the limit is reached, that
+    raises with the scale and the names of the non-finite gradient leaves."""
+    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
+
+    def report(skips, scale, leaf_finite):
+        bad = [path for path, ok in zip(paths, leaf_finite, strict=True) if not ok]
+        raise SkippedStepsError(
+            f"loss_scale: {int(skips)} consecutive steps skipped (max_consecutive_skips={limit}); the scale is "
+            f"{float(scale):g}. Non-finite gradient leaves on the last step: {', '.join(bad) or '(none)'}. "
+            "The gradients overflow at any scale: look for bad data, a diverged model, or an op that "
+            "overflows in float16 whatever the loss scale."
+        )
+
+    def callback():
+        jax.debug.callback(report, state.consecutive_skips, state.scale, stats.leaf_finite)
+
+    jax.lax.cond(state.consecutive_skips == limit, callback, lambda: None)
 
 
 def dynamic(
@@ -181,6 +219,7 @@ def dynamic(
     track_grad_norm: bool = False,
     locate_overflows: bool = False,
     axis_name: Hashable | None = None,
+    max_consecutive_skips: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """Dynamic loss scaling around any optax optimizer.
 
@@ -225,6 +264,11 @@ def dynamic(
         replicas agree on the finite check and the maximum, so that all of
         them skip the same steps and keep the same scale. The norm is that of
         the local gradients (average them first, see ``value_and_grad``).
+      max_consecutive_skips: ``None`` (the default) keeps skipping for as
+        long as the gradients overflow, and the state reports it
+        (``consecutive_skips``, ``steps_at_min``). An int ``n`` raises a
+        ``SkippedStepsError`` on the host on the n-th skipped step in a row,
+        naming the non-finite gradient leaves; no update is applied either way.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -261,6 +305,7 @@ def dynamic(
         track_grad_norm=track_grad_norm,
         locate_overflows=locate_overflows,
         axis_name=axis_name,
+        max_consecutive_skips=max_consecutive_skips,
     )
     return loss_scaled(inner, rule, options)
 
@@ -273,14 +318,15 @@ def static(
     track_grad_norm: bool = False,
     locate_overflows: bool = False,
     axis_name: Hashable | None = None,
+    max_consecutive_skips: int | None = None,
 ) -> optax.GradientTransformationExtraArgs:
     """A fixed loss scale around ``inner``; non-finite steps are still skipped.
 
     Args:
       inner: the optimizer to wrap.
       scale: the loss scale, finite and > 0.
-      max_grad_norm, track_grad_norm, locate_overflows, axis_name: as in
-        ``dynamic``.
+      max_grad_norm, track_grad_norm, locate_overflows, axis_name,
+        max_consecutive_skips: as in ``dynamic``.
 
     Example:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
@@ -295,6 +341,7 @@ def static(
         track_grad_norm=track_grad_norm,
         locate_overflows=locate_overflows,
         axis_name=axis_name,
+        max_consecutive_skips=max_consecutive_skips,
     )
     return loss_scaled(inner, StaticRule(scale), options)
 

@@ -1,0 +1,125 @@
+"""Checkpoints: orbax and plain serialization, bit-identical resumption,
+settings that survive any tree round trip, migration from plain optax."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import orbax.checkpoint as ocp
+import pytest
+from flax import serialization
+
+import loss_scale as ls
+
+TX = ls.dynamic(optax.adamw(1e-2), initial_scale=2.0**6, growth_interval=3, min_scale=2.0, hysteresis=2)
+
+
+def grads_for(step, params):
+    rng = np.random.default_rng(step)
+    grads = jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape), p.dtype), params)
+    if step % 5 == 3:  # an overflow now and then, so the scale moves both ways
+        grads["w"] = grads["w"].at[0, 0].set(jnp.inf)
+    return grads
+
+
+@jax.jit
+def step(params, opt_state, grads):
+    grads = jax.tree.map(lambda g: g * ls.get_scale(opt_state).astype(g.dtype), grads)
+    updates, opt_state = TX.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state
+
+
+def train(params, opt_state, start, stop):
+    for i in range(start, stop):
+        params, opt_state = step(params, opt_state, grads_for(i, params))
+    return params, opt_state
+
+
+def init():
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3, jnp.bfloat16)}
+    return params, TX.init(params)
+
+
+def assert_bitwise_equal(a, b):
+    assert jax.tree.structure(a) == jax.tree.structure(b)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.dtype == y.dtype and x.shape == y.shape
+        np.testing.assert_array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8))
+
+
+@pytest.fixture(scope="module")
+def uninterrupted():
+    return train(*init(), 0, 40)
+
+
+def test_orbax_standard_checkpointer_resumes_bit_identically(tmp_path, uninterrupted):
+    params, opt_state = train(*init(), 0, 17)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", {"params": params, "opt_state": opt_state})
+    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": opt_state})
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(tmp_path / "ckpt", target)
+    assert isinstance(restored["opt_state"], ls.LossScaleState)
+    assert_bitwise_equal(restored["opt_state"], opt_state)
+    assert_bitwise_equal(train(restored["params"], restored["opt_state"], 17, 40), uninterrupted)
+
+
+def test_orbax_checkpoint_manager(tmp_path, uninterrupted):
+    params, opt_state = init()
+    options = ocp.CheckpointManagerOptions(max_to_keep=2, save_interval_steps=10)
+    with ocp.CheckpointManager(tmp_path / "run", options=options) as manager:
+        for i in range(25):
+            params, opt_state = step(params, opt_state, grads_for(i, params))
+            manager.save(i + 1, args=ocp.args.StandardSave({"params": params, "opt_state": opt_state}))
+        manager.wait_until_finished()
+        assert manager.latest_step() == 20
+    fresh_params, fresh_state = init()
+    with ocp.CheckpointManager(tmp_path / "run") as manager:
+        restored = manager.restore(
+            20, args=ocp.args.StandardRestore({"params": fresh_params, "opt_state": fresh_state})
+        )
+    assert int(ls.find_state(restored["opt_state"]).skipped_steps) == 4  # steps 3, 8, 13, 18
+    assert_bitwise_equal(train(restored["params"], restored["opt_state"], 20, 40), uninterrupted)
+
+
+def test_flax_serialization_round_trip(uninterrupted):
+    params, opt_state = train(*init(), 0, 23)
+    blob = serialization.to_bytes({"params": params, "opt_state": opt_state})
+    restored = serialization.from_bytes({"params": init()[0], "opt_state": init()[1]}, blob)
+    assert_bitwise_equal(restored["opt_state"], opt_state)
+    assert_bitwise_equal(train(restored["params"], restored["opt_state"], 23, 40), uninterrupted)
+
+
+def test_settings_survive_tree_round_trips():
+    # jmp 0.0.4 keeps min_loss_scale in pytree aux data and loses it under
+    # jit; here every setting lives in the transformation, the state holds
+    # only arrays.
+    params, opt_state = init()
+    leaves, treedef = jax.tree.flatten(opt_state)
+    assert all(isinstance(x, jax.Array) for x in leaves)
+    opt_state = jax.tree.unflatten(treedef, [jnp.array(x) for x in leaves])
+    opt_state = jax.jit(lambda s: jax.tree.map(lambda x: x, s))(opt_state)
+    bad = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), params)
+    for _ in range(12):  # hysteresis 2: backs off from the second overflow on
+        _, opt_state = jax.jit(TX.update)(bad, opt_state, params)
+    assert float(opt_state.scale) == 2.0  # the configured min_scale, not 1
+
+
+def test_wrap_opt_state_migrates_a_plain_optax_checkpoint():
+    params = {"w": jnp.ones((4, 3)), "b": jnp.zeros(3, jnp.bfloat16)}
+    plain = optax.adamw(1e-2)
+    plain_state = plain.init(params)
+    for i in range(5):
+        _, plain_state = plain.update(grads_for(i * 5, params), plain_state, params)
+    migrated = ls.wrap_opt_state(TX, plain_state, params)
+    assert_bitwise_equal(migrated.inner_state, plain_state)
+    assert float(migrated.scale) == 2.0**6 and int(migrated.inner_state[0].count) == 5
+    params, migrated = step(params, migrated, grads_for(0, params))
+    assert int(migrated.inner_state[0].count) == 6
+    with pytest.raises(ValueError, match="structure"):
+        ls.wrap_opt_state(TX, optax.sgd(0.1).init(params), params)
+    with pytest.raises(ValueError, match=r"bfloat16\(3,\) is expected"):
+        ls.wrap_opt_state(TX, jax.tree.map(lambda x: x.astype(jnp.float16) if x.ndim else x, plain_state), params)
+    with pytest.raises(ValueError, match="loss-scaling transformation"):
+        ls.wrap_opt_state(plain, plain_state, params)
