@@ -31,8 +31,8 @@ def metrics(opt_state: PyTree, prefix: str = "loss_scale/") -> dict[str, jax.Arr
     Returns:
       ``{prefix + name: scalar}`` for ``scale``, ``skipped``,
       ``skipped_steps``, ``consecutive_skips``, ``good_steps``, ``growths``,
-      ``backoffs``, ``steps_at_min``, ``grad_max`` and ``grad_norm`` (nan
-      unless tracked). Works inside ``jit``; pass the result to clu,
+      ``backoffs``, ``steps_at_min``, ``grad_max`` and, when tracked,
+      ``grad_norm``. Works inside ``jit``; pass the result to clu,
       tensorboardX or wandb as it is.
 
     Example:
@@ -45,7 +45,7 @@ def metrics(opt_state: PyTree, prefix: str = "loss_scale/") -> dict[str, jax.Arr
       (4.0, 1)
     """
     state = find_state(opt_state)
-    return {prefix + name: getattr(state, name) for name in _SCALARS}
+    return {prefix + name: getattr(state, name) for name in _SCALARS if getattr(state, name) is not None}
 
 
 def overflow_paths(opt_state: PyTree, grads_like: PyTree) -> list[str]:

@@ -50,7 +50,7 @@ class LossScaleState(NamedTuple):
         step (inf or nan when it overflowed).
       grad_norm: float32, the global norm of the last step's unscaled
         gradients, when tracked (``track_grad_norm`` or ``max_grad_norm``);
-        nan otherwise.
+        ``None`` (an empty subtree) otherwise.
       nonfinite_leaves: bool[n], which gradient leaves were non-finite on the
         most recent skipped step, when ``locate_overflows=True``; ``None``
         (an empty subtree) otherwise. ``loss_scale.overflow_paths`` names them.
@@ -67,7 +67,7 @@ class LossScaleState(NamedTuple):
     backoffs: jax.Array
     steps_at_min: jax.Array
     grad_max: jax.Array
-    grad_norm: jax.Array
+    grad_norm: jax.Array | None
     nonfinite_leaves: jax.Array | None
     inner_state: optax.OptState
 
@@ -234,11 +234,13 @@ class StaticRule:
 Rule = DynamicRule | StaticRule
 
 
-def init_state(rule: Rule, inner_state: optax.OptState, num_leaves: int | None = None) -> LossScaleState:
+def init_state(
+    rule: Rule, inner_state: optax.OptState, num_leaves: int | None = None, with_norm: bool = False
+) -> LossScaleState:
     """A fresh state: the rule's initial counters and no skipped steps.
 
     ``num_leaves`` sizes ``nonfinite_leaves`` (``None`` when overflows are not
-    located)."""
+    located); ``with_norm`` keeps a ``grad_norm``."""
     counters = rule.init()
 
     def zero():
@@ -256,7 +258,7 @@ def init_state(rule: Rule, inner_state: optax.OptState, num_leaves: int | None =
         backoffs=zero(),
         steps_at_min=zero(),
         grad_max=jnp.zeros((), jnp.float32),
-        grad_norm=jnp.full((), jnp.nan, jnp.float32),
+        grad_norm=jnp.zeros((), jnp.float32) if with_norm else None,
         nonfinite_leaves=None if num_leaves is None else jnp.zeros((num_leaves,), jnp.bool_),
         inner_state=inner_state,
     )

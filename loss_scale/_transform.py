@@ -120,7 +120,7 @@ def loss_scaled(inner: Any, rule: Rule, options: Options) -> optax.GradientTrans
 
     def init_fn(params: optax.Params) -> LossScaleState:
         num_leaves = len(jax.tree.leaves(params)) if options.locate_overflows else None
-        return init_state(rule, inner.init(params), num_leaves)
+        return init_state(rule, inner.init(params), num_leaves, with_norm=options.with_norm)
 
     def update_fn(
         updates: optax.Updates,

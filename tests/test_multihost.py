@@ -1,0 +1,45 @@
+"""Two processes on this machine form one JAX cluster (jax.distributed on
+localhost, CPU collectives): an overflow on one host only is skipped by both,
+and both keep the same scale."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.multihost_worker import POISON, STEPS
+
+WORKER = Path(__file__).with_name("multihost_worker.py")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_skip_the_same_steps(tmp_path):
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
+    env["PYTHONPATH"] = str(WORKER.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
+    outs = [tmp_path / f"p{i}.json" for i in range(2)]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(WORKER), str(i), str(port), str(outs[i])],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    for p, log in zip(procs, logs, strict=True):
+        assert p.returncode == 0, log[-3000:]
+    a, b = (json.loads(o.read_text()) for o in outs)
+    assert a["scale"] == b["scale"] and a["skipped"] == b["skipped"] and a["w"] == b["w"]
+    assert [i for i, s in enumerate(a["skipped"]) if s] == sorted(POISON)
+    assert len(a["scale"]) == STEPS and len(set(a["scale"])) > 2
+    assert a["loss"][-1] < 0.2 * a["loss"][0]
