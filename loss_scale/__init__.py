@@ -12,12 +12,13 @@ from loss_scale._grad import find_state, get_scale, scale_loss, unscale, value_a
 from loss_scale._metrics import metrics, overflow_paths
 from loss_scale._migrate import wrap_opt_state
 from loss_scale._state import LossScaleState
-from loss_scale._transform import SkippedStepsError, dynamic, no_op, static
+from loss_scale._transform import Float16StateWarning, SkippedStepsError, dynamic, no_op, static
 from loss_scale._tree import all_finite
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Float16StateWarning",
     "LossScaleState",
     "SkippedStepsError",
     "all_finite",

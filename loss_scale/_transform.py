@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from collections.abc import Hashable
 from typing import Any
 
@@ -119,8 +120,10 @@ def loss_scaled(inner: Any, rule: Rule, options: Options) -> optax.GradientTrans
     inner = as_transformation(inner)
 
     def init_fn(params: optax.Params) -> LossScaleState:
+        inner_state = inner.init(params)
+        _warn_about_float16_state(inner_state)
         num_leaves = len(jax.tree.leaves(params)) if options.locate_overflows else None
-        return init_state(rule, inner.init(params), num_leaves, with_norm=options.with_norm)
+        return init_state(rule, inner_state, num_leaves, with_norm=options.with_norm)
 
     def update_fn(
         updates: optax.Updates,
@@ -176,6 +179,31 @@ def loss_scaled(inner: Any, rule: Rule, options: Options) -> optax.GradientTrans
         return new_updates, new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class Float16StateWarning(UserWarning):
+    """The wrapped optimizer keeps part of its state in float16."""
+
+
+def _warn_about_float16_state(inner_state: optax.OptState) -> None:
+    """float16 optimizer state is a classic source of silent instability:
+    Adam's eps=1e-8 rounds to 0 in float16 (an update of 0/0 = nan once a
+    second moment underflows), and squared gradients below about 6e-8
+    underflow to 0. bfloat16 has float32's range and is not flagged."""
+    paths = [
+        jax.tree_util.keystr(path)
+        for path, leaf in jax.tree_util.tree_flatten_with_path(inner_state)[0]
+        if getattr(leaf, "dtype", None) == jnp.float16
+    ]
+    if paths:
+        shown = ", ".join(paths[:5]) + (f" and {len(paths) - 5} more" if len(paths) > 5 else "")
+        warnings.warn(
+            f"the optimizer state has float16 leaves ({shown}). In float16, Adam's eps=1e-8 is 0 and second "
+            "moments below 6e-8 underflow to 0, which gives nan or huge updates. Keep float32 master params "
+            "(cast to float16 inside the loss function) so the optimizer state is float32.",
+            Float16StateWarning,
+            stacklevel=3,
+        )
 
 
 class SkippedStepsError(FloatingPointError):

@@ -224,13 +224,19 @@ def test_float16_params_still_train():
     # the float16 spacing of a weight leaves it unchanged. It still works.
     params = {"w": jnp.array([1.0, -1.0], jnp.float16)}
     tx = ls.dynamic(optax.adam(1e-2), initial_scale=2.0**10)
-    state = tx.init(params)
+    with pytest.warns(ls.Float16StateWarning, match=r"\[0\]\.mu\['w'\].*eps=1e-8 is 0"):
+        state = tx.init(params)
     for _ in range(5):
         loss, grads = ls.value_and_grad(lambda p: jnp.sum(p["w"].astype(jnp.float32) ** 2))(state, params)
         updates, state = jax.jit(tx.update)(grads, state, params)
         params = optax.apply_updates(params, updates)
     assert params["w"].dtype == jnp.float16 and state.inner_state[0].mu["w"].dtype == jnp.float16
     assert float(params["w"][0]) < 1.0 and int(state.skipped_steps) == 0
+
+
+def test_no_warning_for_float32_or_bfloat16_state(recwarn):
+    ls.dynamic(optax.adam(1e-3)).init({"w": jnp.zeros(2), "b": jnp.zeros(2, jnp.bfloat16)})
+    assert not [w for w in recwarn if issubclass(w.category, ls.Float16StateWarning)]
 
 
 def test_scale_is_traced_so_nothing_recompiles():
