@@ -18,6 +18,8 @@ _SCALARS = (
     "steps_at_min",
     "grad_max",
     "grad_norm",
+    "zero_fraction",
+    "below_normal_fraction",
 )
 
 
@@ -32,7 +34,7 @@ def metrics(opt_state: PyTree, prefix: str = "loss_scale/") -> dict[str, jax.Arr
       ``{prefix + name: scalar}`` for ``scale``, ``skipped``,
       ``skipped_steps``, ``consecutive_skips``, ``good_steps``, ``growths``,
       ``backoffs``, ``steps_at_min``, ``grad_max`` and, when tracked,
-      ``grad_norm``. Works inside ``jit``; pass the result to clu,
+      ``grad_norm``, ``zero_fraction`` and ``below_normal_fraction``. Works inside ``jit``; pass the result to clu,
       tensorboardX or wandb as it is.
 
     Example:

@@ -51,6 +51,13 @@ class LossScaleState(NamedTuple):
       grad_norm: float32, the global norm of the last step's unscaled
         gradients, when tracked (``track_grad_norm`` or ``max_grad_norm``);
         ``None`` (an empty subtree) otherwise.
+      zero_fraction: float32, the fraction of the last step's gradient
+        elements that are exactly 0, with ``track_underflow=True``; ``None``
+        otherwise.
+      below_normal_fraction: float32, the fraction whose scaled magnitude is
+        below float16's smallest normal (6.1e-5): in a float16 backward pass
+        such values are subnormal or flushed, so a large fraction says the
+        scale is too low. ``None`` unless ``track_underflow=True``.
       nonfinite_leaves: bool[n], which gradient leaves were non-finite on the
         most recent skipped step, when ``locate_overflows=True``; ``None``
         (an empty subtree) otherwise. ``loss_scale.overflow_paths`` names them.
@@ -68,6 +75,8 @@ class LossScaleState(NamedTuple):
     steps_at_min: jax.Array
     grad_max: jax.Array
     grad_norm: jax.Array | None
+    zero_fraction: jax.Array | None
+    below_normal_fraction: jax.Array | None
     nonfinite_leaves: jax.Array | None
     inner_state: optax.OptState
 
@@ -235,12 +244,17 @@ Rule = DynamicRule | StaticRule
 
 
 def init_state(
-    rule: Rule, inner_state: optax.OptState, num_leaves: int | None = None, with_norm: bool = False
+    rule: Rule,
+    inner_state: optax.OptState,
+    num_leaves: int | None = None,
+    with_norm: bool = False,
+    with_underflow: bool = False,
 ) -> LossScaleState:
     """A fresh state: the rule's initial counters and no skipped steps.
 
     ``num_leaves`` sizes ``nonfinite_leaves`` (``None`` when overflows are not
-    located); ``with_norm`` keeps a ``grad_norm``."""
+    located); ``with_norm`` keeps a ``grad_norm``, ``with_underflow`` the
+    underflow fractions."""
     counters = rule.init()
 
     def zero():
@@ -259,6 +273,8 @@ def init_state(
         steps_at_min=zero(),
         grad_max=jnp.zeros((), jnp.float32),
         grad_norm=jnp.zeros((), jnp.float32) if with_norm else None,
+        zero_fraction=jnp.zeros((), jnp.float32) if with_underflow else None,
+        below_normal_fraction=jnp.zeros((), jnp.float32) if with_underflow else None,
         nonfinite_leaves=None if num_leaves is None else jnp.zeros((num_leaves,), jnp.bool_),
         inner_state=inner_state,
     )
@@ -293,6 +309,8 @@ def next_state(
         steps_at_min=state.steps_at_min + (state.scale <= rule.floor).astype(jnp.int32),
         grad_max=stats.grad_max,
         grad_norm=grad_norm,
+        zero_fraction=None if stats.underflow is None else stats.underflow[0],
+        below_normal_fraction=None if stats.underflow is None else stats.underflow[1],
         nonfinite_leaves=nonfinite_leaves,
         inner_state=inner_state,
     )

@@ -80,6 +80,7 @@ class Options:
     locate_overflows: bool = False
     axis_name: Hashable | None = None
     max_consecutive_skips: int | None = None
+    track_underflow: bool = False
 
     def __post_init__(self):
         if self.max_grad_norm is not None:
@@ -89,7 +90,7 @@ class Options:
                 raise TypeError(f"max_grad_norm must be a real number or None, got {self.max_grad_norm!r}") from None
             if not math.isfinite(norm) or norm <= 0:
                 raise ValueError(f"max_grad_norm must be finite and > 0, got {self.max_grad_norm!r}")
-        for name in ("track_grad_norm", "locate_overflows"):
+        for name in ("track_grad_norm", "locate_overflows", "track_underflow"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
         limit = self.max_consecutive_skips
@@ -123,7 +124,9 @@ def loss_scaled(inner: Any, rule: Rule, options: Options) -> optax.GradientTrans
         inner_state = inner.init(params)
         _warn_about_float16_state(inner_state)
         num_leaves = len(jax.tree.leaves(params)) if options.locate_overflows else None
-        return init_state(rule, inner_state, num_leaves, with_norm=options.with_norm)
+        return init_state(
+            rule, inner_state, num_leaves, with_norm=options.with_norm, with_underflow=options.track_underflow
+        )
 
     def update_fn(
         updates: optax.Updates,
@@ -151,7 +154,8 @@ def loss_scaled(inner: Any, rule: Rule, options: Options) -> optax.GradientTrans
             stats = GradStats(jnp.ones((0,), jnp.bool_), jnp.full((), jnp.nan, jnp.float32), None)
             return new_updates, next_state(rule, state, stats, jnp.array(True), inner_state)
 
-        stats = _agree(gradient_stats(updates, scale, with_norm=options.with_norm), options.axis_name)
+        stats = gradient_stats(updates, scale, with_norm=options.with_norm, with_underflow=options.track_underflow)
+        stats = _agree(stats, options.axis_name)
         finite = jnp.all(stats.leaf_finite)
         clip_factor = None
         if options.max_grad_norm is not None:
@@ -248,6 +252,7 @@ def dynamic(
     locate_overflows: bool = False,
     axis_name: Hashable | None = None,
     max_consecutive_skips: int | None = None,
+    track_underflow: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """Dynamic loss scaling around any optax optimizer.
 
@@ -297,6 +302,10 @@ def dynamic(
         (``consecutive_skips``, ``steps_at_min``). An int ``n`` raises a
         ``SkippedStepsError`` on the host on the n-th skipped step in a row,
         naming the non-finite gradient leaves; no update is applied either way.
+      track_underflow: record the fractions of gradient elements that are 0
+        and below float16's smallest normal once scaled (``zero_fraction``,
+        ``below_normal_fraction``): a high value says the scale is too low.
+        Costs two counting reductions over the gradients.
 
     Returns:
       An ``optax.GradientTransformationExtraArgs`` whose state is a
@@ -334,6 +343,7 @@ def dynamic(
         locate_overflows=locate_overflows,
         axis_name=axis_name,
         max_consecutive_skips=max_consecutive_skips,
+        track_underflow=track_underflow,
     )
     return loss_scaled(inner, rule, options)
 
@@ -347,6 +357,7 @@ def static(
     locate_overflows: bool = False,
     axis_name: Hashable | None = None,
     max_consecutive_skips: int | None = None,
+    track_underflow: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     """A fixed loss scale around ``inner``; non-finite steps are still skipped.
 
@@ -354,7 +365,7 @@ def static(
       inner: the optimizer to wrap.
       scale: the loss scale, finite and > 0.
       max_grad_norm, track_grad_norm, locate_overflows, axis_name,
-        max_consecutive_skips: as in ``dynamic``.
+        max_consecutive_skips, track_underflow: as in ``dynamic``.
 
     Example:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
@@ -370,6 +381,7 @@ def static(
         locate_overflows=locate_overflows,
         axis_name=axis_name,
         max_consecutive_skips=max_consecutive_skips,
+        track_underflow=track_underflow,
     )
     return loss_scaled(inner, StaticRule(scale), options)
 

@@ -125,21 +125,29 @@ class GradStats(NamedTuple):
         gradient is not finite).
       sq_norm: float32, the squared global norm of the unscaled gradients, or
         ``None`` when it was not asked for.
+      underflow: float32[2], the fractions of gradient elements that are
+        exactly 0 and whose scaled magnitude is below float16's smallest
+        normal (6.1e-5), or ``None`` when not asked for.
     """
 
     leaf_finite: jax.Array
     grad_max: jax.Array
     sq_norm: jax.Array | None
+    underflow: jax.Array | None = None
 
 
-def gradient_stats(tree: PyTree, scale: jax.Array, with_norm: bool = False) -> GradStats:
-    """The finite check, the largest magnitude and optionally the norm.
+FLOAT16_TINY = float(jnp.finfo(jnp.float16).tiny)
 
-    Each floating leaf is reduced once with ``max|x|``; with ``with_norm`` a
-    sum of squares of the unscaled values joins it (XLA can fuse both
-    reductions into one read, but that depends on the backend).
+
+def gradient_stats(tree: PyTree, scale: jax.Array, with_norm: bool = False, with_underflow: bool = False) -> GradStats:
+    """The finite check, the largest magnitude and optionally the norm and
+    the underflow fractions.
+
+    Each floating leaf is reduced once with ``max|x|``; the optional
+    statistics add reductions over the same values (XLA can fuse them into
+    one read, but that depends on the backend).
     """
-    flags, maxima, squares = [], [], []
+    flags, maxima, squares, zeros, tiny, count = [], [], [], [], [], 0
     for x in jax.tree.leaves(tree):
         if not is_float_leaf(x):
             flags.append(jnp.array(True))
@@ -150,10 +158,19 @@ def gradient_stats(tree: PyTree, scale: jax.Array, with_norm: bool = False) -> G
         if with_norm:
             unscaled = unscale_leaf(x, scale).astype(compute_dtype(x.dtype))  # as the inner sees it
             squares.append(jnp.sum(jnp.real(unscaled * jnp.conj(unscaled))).astype(jnp.float32))
+        if with_underflow:
+            magnitude = jnp.abs(x)
+            zeros.append(jnp.sum(magnitude == 0, dtype=jnp.int32))
+            tiny.append(jnp.sum(magnitude < FLOAT16_TINY, dtype=jnp.int32))
+            count += x.size
     leaf_finite = jnp.stack(flags) if flags else jnp.zeros((0,), jnp.bool_)
     grad_max = jnp.max(jnp.stack(maxima)) if maxima else jnp.zeros((), jnp.float32)
     sq_norm = (sum(squares) if squares else jnp.zeros((), jnp.float32)) if with_norm else None
-    return GradStats(leaf_finite, grad_max, sq_norm)
+    underflow = None
+    if with_underflow:
+        counts = jnp.stack([sum(zeros, jnp.int32(0)), sum(tiny, jnp.int32(0))]).astype(jnp.float32)
+        underflow = counts / max(count, 1)
+    return GradStats(leaf_finite, grad_max, sq_norm, underflow)
 
 
 def unscale_and_clip_tree(tree: PyTree, scale: jax.Array, clip_factor: jax.Array | None) -> PyTree:

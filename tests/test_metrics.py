@@ -138,3 +138,19 @@ def test_option_types():
         ls.static(optax.sgd(1.0), 2.0, track_grad_norm=1)
     with pytest.raises(TypeError, match="max_grad_norm"):
         ls.dynamic(optax.sgd(1.0), max_grad_norm="big")
+
+
+def test_underflow_fractions_of_the_scaled_gradients():
+    params = {"a": jnp.zeros(4), "b": jnp.zeros(4, jnp.float16), "n": jnp.zeros(2, jnp.int32)}
+    grads = {
+        "a": jnp.array([0.0, 1e-6, 1e-3, 5.0]),  # 0, below 6.1e-5, normal, normal
+        "b": jnp.array([0.0, 0.0, 3e-5, 1.0], jnp.float16),
+        "n": jnp.zeros(2, jnp.int32),  # not a gradient: not counted
+    }
+    tx = ls.static(optax.identity(), 1.0, track_underflow=True)
+    _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    assert float(state.zero_fraction) == 3 / 8
+    assert float(state.below_normal_fraction) == 5 / 8
+    m = ls.metrics(state, prefix="")
+    assert float(m["zero_fraction"]) == 3 / 8 and "below_normal_fraction" in m
+    assert ls.dynamic(optax.sgd(1.0)).init(params).zero_fraction is None
