@@ -12,7 +12,7 @@ from loss_scale._grad import find_state, get_scale, scale_loss, unscale, value_a
 from loss_scale._metrics import metrics, overflow_paths
 from loss_scale._migrate import wrap_opt_state
 from loss_scale._state import LossScaleState
-from loss_scale._transform import Float16StateWarning, SkippedStepsError, dynamic, no_op, static
+from loss_scale._transform import Float16StateWarning, SkippedStepsError, apply_gradients, dynamic, no_op, static
 from loss_scale._tree import all_finite
 
 __version__ = "0.1.0"
@@ -22,6 +22,7 @@ __all__ = [
     "LossScaleState",
     "SkippedStepsError",
     "all_finite",
+    "apply_gradients",
     "dynamic",
     "find_state",
     "get_scale",

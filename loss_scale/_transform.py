@@ -16,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
+import weakref
 from collections.abc import Hashable
 from typing import Any
 
@@ -128,33 +129,34 @@ def loss_scaled(inner: Any, rule: Rule, options: Options) -> optax.GradientTrans
             rule, inner_state, num_leaves, with_norm=options.with_norm, with_underflow=options.track_underflow
         )
 
-    def update_fn(
-        updates: optax.Updates,
-        state: LossScaleState,
-        params: optax.Params | None = None,
-        **extra_args: Any,
-    ) -> tuple[optax.Updates, LossScaleState]:
+    def step(grads, state, params, extra_args, apply_to_params):
+        """One update; returns (updates, state), or with ``apply_to_params``
+        (new params, state) with ``apply_updates`` inside the taken branch."""
         if not isinstance(state, LossScaleState):
             raise TypeError(
                 f"state must be the LossScaleState made by this transformation's init, got {type(state).__name__}"
             )
         scale = state.scale
         if options.locate_overflows and (
-            state.nonfinite_leaves is None or len(jax.tree.leaves(updates)) != state.nonfinite_leaves.shape[0]
+            state.nonfinite_leaves is None or len(jax.tree.leaves(grads)) != state.nonfinite_leaves.shape[0]
         ):
             raise ValueError(
-                f"locate_overflows: the gradients have {len(jax.tree.leaves(updates))} leaves but init saw "
+                f"locate_overflows: the gradients have {len(jax.tree.leaves(grads))} leaves but init saw "
                 f"{getattr(state.nonfinite_leaves, 'shape', (0,))[0]} (init with a tree of the gradients' structure)"
             )
 
-        if not options.check_finite:
-            new_updates, inner_state = inner.update(
-                unscale_tree(updates, scale), state.inner_state, params, **extra_args
-            )
-            stats = GradStats(jnp.ones((0,), jnp.bool_), jnp.full((), jnp.nan, jnp.float32), None)
-            return new_updates, next_state(rule, state, stats, jnp.array(True), inner_state)
+        def inner_step(grads, inner_state, params):
+            updates, inner_state = inner.update(grads, inner_state, params, **extra_args)
+            if apply_to_params:
+                return optax.apply_updates(params, updates), inner_state
+            return updates, inner_state
 
-        stats = gradient_stats(updates, scale, with_norm=options.with_norm, with_underflow=options.track_underflow)
+        if not options.check_finite:
+            out, inner_state = inner_step(unscale_tree(grads, scale), state.inner_state, params)
+            stats = GradStats(jnp.ones((0,), jnp.bool_), jnp.full((), jnp.nan, jnp.float32), None)
+            return out, next_state(rule, state, stats, jnp.array(True), inner_state)
+
+        stats = gradient_stats(grads, scale, with_norm=options.with_norm, with_underflow=options.track_underflow)
         stats = _agree(stats, options.axis_name)
         finite = jnp.all(stats.leaf_finite)
         clip_factor = None
@@ -165,24 +167,89 @@ def loss_scaled(inner: Any, rule: Rule, options: Options) -> optax.GradientTrans
         def apply(grads, inner_state, params):
             # The unscale (and clip) sits inside the taken branch, where XLA
             # fuses it with the inner optimizer's elementwise pass.
-            grads = unscale_and_clip_tree(grads, scale, clip_factor)
-            return inner.update(grads, inner_state, params, **extra_args)
+            return inner_step(unscale_and_clip_tree(grads, scale, clip_factor), inner_state, params)
 
-        out_shapes = jax.eval_shape(apply, updates, state.inner_state, params)
+        out_shapes = jax.eval_shape(apply, grads, state.inner_state, params)
         _check_state_types(state.inner_state, out_shapes[1])
 
         def skip(grads, inner_state, params):
-            del grads, params
+            del grads
             inner_state = jax.tree.map(match_varying, inner_state, out_shapes[1])
+            if apply_to_params:
+                # The params as they were: nothing is written, nothing is added.
+                return jax.tree.map(match_varying, params, out_shapes[0]), inner_state
             return zeros_like_shapes(out_shapes[0]), inner_state
 
-        new_updates, inner_state = jax.lax.cond(finite, apply, skip, updates, state.inner_state, params)
+        out, inner_state = jax.lax.cond(finite, apply, skip, grads, state.inner_state, params)
         new_state = next_state(rule, state, stats, finite, inner_state)
         if options.max_consecutive_skips is not None:
-            _raise_when_stuck(new_state, stats, updates, options.max_consecutive_skips)
-        return new_updates, new_state
+            _raise_when_stuck(new_state, stats, grads, options.max_consecutive_skips)
+        return out, new_state
 
+    def update_fn(
+        updates: optax.Updates,
+        state: LossScaleState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, LossScaleState]:
+        return step(updates, state, params, extra_args, apply_to_params=False)
+
+    def apply_gradients_fn(grads, state, params, **extra_args):
+        return step(grads, state, params, extra_args, apply_to_params=True)
+
+    _FUSED_STEPS[update_fn] = apply_gradients_fn
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+# update function of a loss-scaling transformation -> its fused step, so that
+# apply_gradients can find it from the optax transformation alone.
+_FUSED_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def apply_gradients(
+    tx: optax.GradientTransformation,
+    grads: optax.Updates,
+    opt_state: optax.OptState,
+    params: optax.Params,
+    **extra_args: Any,
+) -> tuple[optax.Params, optax.OptState]:
+    """``tx.update`` and ``optax.apply_updates`` in one, with the addition to
+    the params inside the taken branch.
+
+    The result equals ``updates, opt_state = tx.update(grads, opt_state,
+    params); optax.apply_updates(params, updates)``. When ``tx`` is a
+    loss-scaling transformation itself (``dynamic``, ``static``, ``no_op``
+    or a preset), the addition happens inside the ``lax.cond``: XLA fuses the
+    update into the write of the params as it does for a bare optimizer, the
+    updates are never materialized (one write and one read of a
+    parameter-sized buffer saved, and that much less temporary memory), and a
+    skipped step writes nothing. Any other ``tx`` (a chain around the
+    loss-scaling transformation, say) takes the two-step path.
+
+    Args:
+      tx: the optimizer.
+      grads: gradients of ``loss * scale``.
+      opt_state: ``tx``'s state.
+      params: the parameters.
+      **extra_args: passed on to ``tx.update``.
+
+    Returns:
+      ``(new_params, new_opt_state)``.
+
+    Example:
+      >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
+      >>> tx = ls.dynamic(optax.sgd(0.5), initial_scale=4.0)
+      >>> params = {"w": jnp.ones(2)}
+      >>> state = tx.init(params)
+      >>> params, state = ls.apply_gradients(tx, {"w": jnp.array([4.0, 8.0])}, state, params)
+      >>> params["w"]
+      Array([0.5, 0. ], dtype=float32)
+    """
+    fused = _FUSED_STEPS.get(tx.update)
+    if fused is not None:
+        return fused(grads, opt_state, params, **extra_args)
+    updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
+    return optax.apply_updates(params, updates), opt_state
 
 
 class Float16StateWarning(UserWarning):
