@@ -1,0 +1,38 @@
+"""The overhead benchmark's logic, on tiny models (its numbers mean nothing
+here; ``python benchmarks/overhead.py`` measures)."""
+
+import importlib.util
+import math
+import pathlib
+import sys
+
+BENCH = pathlib.Path(__file__).parents[1] / "benchmarks" / "overhead.py"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("overhead", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["overhead"] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_overhead_quick_runs_every_variant_and_checks_them():
+    overhead = load()
+    result = overhead.main(["--quick", "--models", "mlp", "--precisions", "f32", "--rounds", "2"])
+    [run] = result["runs"]
+    [table] = run["tables"]
+    names = [row["variant"] for row in table["rows"]]
+    assert names[:5] == [
+        overhead.BARE,
+        overhead.LS,
+        overhead.LS_OVERFLOW,
+        overhead.LS_FUSED,
+        overhead.LS_FUSED_OVERFLOW,
+    ]
+    assert {"optax.apply_if_finite", "jmp DynamicLossScale", "flax DynamicScale"} <= set(names)
+    for row in table["rows"]:
+        for kind in ("step", "update"):
+            assert math.isfinite(row[kind]["median"]) and row[kind]["median"] > 0
+    rendered = overhead.format_table(table)
+    assert "ls.dynamic + ls.apply_gradients" in rendered and "|" in rendered
