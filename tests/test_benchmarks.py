@@ -36,3 +36,18 @@ def test_overhead_quick_runs_every_variant_and_checks_them():
             assert math.isfinite(row[kind]["median"]) and row[kind]["median"] > 0
     rendered = overhead.format_table(table)
     assert "ls.dynamic + ls.apply_gradients" in rendered and "|" in rendered
+
+
+def test_speedup_reads_a_two_precision_run(tmp_path):
+    overhead = load()
+    results = overhead.main(
+        ["--quick", "--models", "mlp", "--precisions", "f32,mixed", "--rounds", "2", "--json", str(tmp_path / "r.json")]
+    )
+    spec = importlib.util.spec_from_file_location("speedup", BENCH.with_name("speedup.py"))
+    speedup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(speedup)
+    [row] = speedup.main([str(tmp_path / "r.json")])
+    f32 = results["runs"][0]["tables"][0]
+    assert row["model"] == "mlp" and row["f32_ms"] == f32["rows"][0]["step"]["median_ms"]
+    for variant in speedup.VARIANTS:
+        assert row[variant]["speedup"] == row["f32_ms"] / row[variant]["mixed_ms"] > 0
