@@ -170,6 +170,12 @@ class DynamicRule:
         _check_int("growth_delay", self.growth_delay, 0)
         if not isinstance(self.consecutive_hysteresis, bool):
             raise TypeError(f"consecutive_hysteresis must be a bool, got {self.consecutive_hysteresis!r}")
+        float32_max = float(np.finfo(np.float32).max)
+        if initial > float32_max or minimum > float32_max:
+            raise ValueError(
+                f"initial_scale and min_scale must be at most float32's largest value ({float32_max:g}), "
+                f"got {self.initial_scale!r} and {self.min_scale!r}"
+            )
         if float(np.float32(initial)) < FLOAT32_TINY or float(np.float32(minimum)) < FLOAT32_TINY:
             raise ValueError(
                 f"initial_scale and min_scale must be at least float32's smallest normal "

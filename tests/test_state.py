@@ -61,6 +61,7 @@ def traced_trajectory(rule, overflows, init_scale=None):
         ({"min_scale": math.nan}, "min_scale"),
         ({"min_scale": 1e-45, "initial_scale": 1.0}, "smallest normal"),
         ({"max_scale": math.nan}, "max_scale"),
+        ({"initial_scale": 1e39, "max_scale": math.inf}, "at most float32's largest value"),
         ({"max_scale": 0.0}, "max_scale"),
         ({"min_scale": 4.0, "max_scale": 2.0}, r"min_scale \(4\.0\) must be <= max_scale \(2\.0\)"),
         ({"initial_scale": 2.0**30}, r"initial_scale must lie in \[min_scale, max_scale\]"),
