@@ -8,6 +8,7 @@ Example:
   32768.0
 """
 
+from loss_scale import presets
 from loss_scale._grad import find_state, get_scale, scale_loss, unscale, value_and_grad
 from loss_scale._metrics import metrics, overflow_paths
 from loss_scale._migrate import wrap_opt_state
@@ -29,6 +30,7 @@ __all__ = [
     "metrics",
     "no_op",
     "overflow_paths",
+    "presets",
     "scale_loss",
     "static",
     "unscale",

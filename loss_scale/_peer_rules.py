@@ -1,0 +1,116 @@
+"""Scale rules that ``DynamicRule`` cannot express, for ``loss_scale.presets``.
+
+Each rule follows the protocol of ``_state.DynamicRule``: ``init() ->
+ScaleCounters``, ``adjust(counters, finite) -> ScaleCounters`` and a ``floor``
+property, with its configuration validated once at construction and only
+arrays in the counters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from loss_scale._state import FLOAT32_TINY, ScaleCounters, _check_int, _check_positive_finite
+
+
+@dataclasses.dataclass(frozen=True)
+class CerebrasRule:
+    """Cerebras ``GradScaler(loss_scale="dynamic")``: overflow tolerance.
+
+    The rule of ``cerebras.pytorch.amp.GradScaler.update_scale``
+    (cerebras_pytorch 2.10.0, ``cerebras/pytorch/amp/grad_scaler.py``), once
+    per update, with ``n`` the steps and ``k`` the overflows since the scale
+    last changed (both start at 0):
+
+    1. ``n += 1``; ``k += 1`` if this step overflowed.
+    2. If ``float32(k) / float32(n) > overflow_tolerance``: the scale halves
+       and ``n = k = 0``.
+    3. If ``n > steps_per_increase``: the scale doubles and ``n = k = 0``.
+    4. The scale is clamped to ``[min_scale, max_scale]``.
+
+    So the scale grows after ``steps_per_increase + 1`` steps without a
+    decrease, which may include tolerated overflows; with the default
+    tolerance 0 any overflow halves the scale and growth needs
+    ``steps_per_increase + 1`` clean steps in a row. Every overflowing step is
+    skipped, tolerated or not (the transformation skips on the finite check).
+
+    In the counters, ``good_steps`` holds the clean steps and
+    ``overflow_budget`` the (tolerated) overflows since the last change of the
+    scale, so ``n = good_steps + overflow_budget``.
+
+    A growth that would give inf keeps the scale (only possible with
+    ``max_scale=inf``; Cerebras would store inf).
+    """
+
+    initial_scale: float = 2.0**15
+    steps_per_increase: int = 2000
+    min_scale: float = 2.0**-14
+    max_scale: float = 2.0**15
+    overflow_tolerance: float = 0.0
+
+    def __post_init__(self):
+        initial = _check_positive_finite("initial_scale", self.initial_scale)
+        minimum = _check_positive_finite("min_scale", self.min_scale)
+        try:
+            maximum = float(self.max_scale)
+        except (TypeError, ValueError):
+            raise TypeError(f"max_scale must be a real number, got {self.max_scale!r}") from None
+        if math.isnan(maximum) or maximum <= 0:
+            raise ValueError(f"max_scale must be > 0 (inf allowed), got {self.max_scale!r}")
+        if float(np.float32(minimum)) < FLOAT32_TINY:
+            raise ValueError(f"min_scale must be at least float32's smallest normal ({FLOAT32_TINY})")
+        if not minimum <= initial <= maximum:
+            raise ValueError(
+                f"initial_scale must lie in [min_scale, max_scale] = "
+                f"[{self.min_scale!r}, {self.max_scale!r}], got {self.initial_scale!r}"
+            )
+        _check_int("steps_per_increase", self.steps_per_increase, 1)
+        if self.steps_per_increase >= 2**31 - 1:
+            raise ValueError(f"steps_per_increase must be < 2**31 - 1, got {self.steps_per_increase!r}")
+        try:
+            tolerance = float(self.overflow_tolerance)
+        except (TypeError, ValueError):
+            raise TypeError(f"overflow_tolerance must be a real number, got {self.overflow_tolerance!r}") from None
+        if not math.isfinite(tolerance) or tolerance < 0:
+            raise ValueError(f"overflow_tolerance must be finite and >= 0, got {self.overflow_tolerance!r}")
+
+    @property
+    def floor(self) -> float:
+        """The lowest scale the rule can reach."""
+        return float(np.float32(self.min_scale))
+
+    def init(self) -> ScaleCounters:
+        return ScaleCounters(
+            scale=jnp.asarray(self.initial_scale, jnp.float32),
+            good_steps=jnp.zeros((), jnp.int32),
+            overflow_budget=jnp.zeros((), jnp.int32),
+        )
+
+    def adjust(self, counters: ScaleCounters, finite: jax.Array) -> ScaleCounters:
+        scale, clean, overflows = counters
+        clean = clean + finite.astype(jnp.int32)
+        overflows = overflows + jnp.logical_not(finite).astype(jnp.int32)
+        steps = clean + overflows
+
+        # Decrease: the fraction of overflows since the last change, in float32.
+        ratio = overflows.astype(jnp.float32) / steps.astype(jnp.float32)
+        decrease = jnp.float32(self.overflow_tolerance) < ratio
+        scale = jnp.where(decrease, scale * jnp.float32(0.5), scale)
+        clean = jnp.where(decrease, 0, clean)
+        overflows = jnp.where(decrease, 0, overflows)
+
+        # Increase, after the decrease (which resets the step count).
+        increase = clean + overflows > self.steps_per_increase
+        grown = jnp.minimum(scale * jnp.float32(2.0), jnp.float32(self.max_scale))
+        grown = jnp.where(jnp.isfinite(grown), grown, scale)
+        scale = jnp.where(increase, grown, scale)
+        clean = jnp.where(increase, 0, clean)
+        overflows = jnp.where(increase, 0, overflows)
+
+        scale = jnp.clip(scale, jnp.float32(self.min_scale), jnp.float32(self.max_scale))
+        return ScaleCounters(scale, clean.astype(jnp.int32), overflows.astype(jnp.int32))
