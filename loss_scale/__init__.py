@@ -12,6 +12,7 @@ from loss_scale import presets
 from loss_scale._grad import find_state, get_scale, scale_loss, unscale, value_and_grad
 from loss_scale._metrics import metrics, overflow_paths
 from loss_scale._migrate import wrap_opt_state
+from loss_scale._precision import Policy, for_dtype
 from loss_scale._state import LossScaleState
 from loss_scale._transform import Float16StateWarning, SkippedStepsError, apply_gradients, dynamic, no_op, static
 from loss_scale._tree import all_finite
@@ -21,11 +22,13 @@ __version__ = "0.1.0"
 __all__ = [
     "Float16StateWarning",
     "LossScaleState",
+    "Policy",
     "SkippedStepsError",
     "all_finite",
     "apply_gradients",
     "dynamic",
     "find_state",
+    "for_dtype",
     "get_scale",
     "metrics",
     "no_op",

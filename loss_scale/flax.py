@@ -1,0 +1,178 @@
+"""Loss scaling with flax: NNX gradients and reading the scaler's state.
+
+An optional module: it imports flax, which the core package never does.
+
+**NNX.** ``nnx.Optimizer`` takes a loss-scaled optimizer as it is::
+
+    optimizer = nnx.Optimizer(model, ls.dynamic(optax.adamw(1e-3)), wrt=nnx.Param)
+
+    @nnx.jit
+    def train_step(model, optimizer, x, y):
+        loss, grads = nnx_value_and_grad(loss_fn)(optimizer, model, x, y)  # grads of loss * scale
+        optimizer.update(model, grads)       # unscale, check, skip or apply, adjust the scale
+        return loss
+
+``nnx.Optimizer`` keeps its state as ``nnx.Variable`` objects, so the core
+``loss_scale.get_scale(optimizer.opt_state)`` returns a ``Variable``;
+``get_scale``, ``find_state`` and ``metrics`` here return plain arrays.
+On a skipped step the params and the optax state stay as they were, but
+``optimizer.step`` still counts the attempt: read the applied steps from the
+inner optimizer's own count, or ``step - find_state(optimizer).skipped_steps``.
+
+**linen.** ``flax.training.train_state.TrainState(tx=ls.dynamic(...))`` works
+as it is, with ``loss_scale.value_and_grad(loss_fn)(state.opt_state,
+state.params, batch)`` and ``state.apply_gradients(grads=grads)``; as with
+NNX, ``state.step`` counts skipped steps too. The functions here accept a
+``TrainState`` as well.
+
+For mixed precision, give flax layers ``dtype=policy.compute_dtype,
+param_dtype=policy.param_dtype`` (see ``loss_scale.Policy``): the params stay
+float32 and the layers compute in float16 or bfloat16.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from loss_scale._grad import find_state as _find_state
+from loss_scale._metrics import metrics as _metrics
+from loss_scale._state import LossScaleState
+from loss_scale._types import PyTree
+
+__all__ = ["find_state", "get_scale", "metrics", "nnx_value_and_grad"]
+
+
+def find_state(obj: Any) -> LossScaleState:
+    """The ``LossScaleState`` of an ``nnx.Optimizer``, with plain arrays.
+
+    Args:
+      obj: an ``nnx.Optimizer``, its ``opt_state``, a linen ``TrainState``,
+        or any optax state that holds one loss-scale state.
+
+    Returns:
+      The loss-scale state, its ``nnx.Variable`` wrappers removed (so its
+      fields are ``jax.Array`` values that loggers and ``float()`` take).
+
+    Example:
+      >>> import optax, loss_scale as ls
+      >>> from flax import nnx
+      >>> from loss_scale.flax import find_state
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> optimizer = nnx.Optimizer(model, ls.dynamic(optax.sgd(0.1)), wrt=nnx.Param)
+      >>> find_state(optimizer).skipped_steps
+      Array(0, dtype=int32)
+    """
+    return nnx.as_pure(_find_state(obj))
+
+
+def get_scale(obj: Any) -> jax.Array:
+    """The current loss scale (a float32 scalar) of an ``nnx.Optimizer``,
+    its ``opt_state``, a linen ``TrainState`` or any optax state.
+
+    Example:
+      >>> import optax, loss_scale as ls
+      >>> from flax import nnx
+      >>> from loss_scale.flax import get_scale
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> optimizer = nnx.Optimizer(model, ls.dynamic(optax.sgd(0.1), initial_scale=256.0), wrt=nnx.Param)
+      >>> get_scale(optimizer)
+      Array(256., dtype=float32)
+    """
+    return find_state(obj).scale
+
+
+def metrics(obj: Any, prefix: str = "loss_scale/") -> dict[str, jax.Array]:
+    """``loss_scale.metrics`` for an ``nnx.Optimizer`` (or anything
+    ``find_state`` here accepts): a flat dict of scalar arrays for a logger.
+
+    Example:
+      >>> import optax, loss_scale as ls
+      >>> from flax import nnx
+      >>> from loss_scale.flax import metrics
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> optimizer = nnx.Optimizer(model, ls.dynamic(optax.sgd(0.1)), wrt=nnx.Param)
+      >>> float(metrics(optimizer)["loss_scale/scale"])
+      32768.0
+    """
+    return _metrics(find_state(obj), prefix=prefix)
+
+
+def nnx_value_and_grad(
+    loss_fn: Callable[..., Any],
+    *,
+    has_aux: bool = False,
+    wrt: Any = None,
+) -> Callable[..., tuple[Any, nnx.State]]:
+    """The NNX analogue of ``loss_scale.value_and_grad``.
+
+    Differentiates ``loss_fn(model, *args, **kwargs) * scale`` with respect
+    to the model's variables selected by ``wrt``, with the scale read from
+    the optimizer. As in ``loss_scale.value_and_grad``, the optimizer comes
+    first and ``loss_fn``'s own arguments follow.
+
+    The scaled loss is computed in float32 (or float64), so a large scale
+    cannot overflow a float16 loss; the cotangent that flows back into
+    float16 layers is ``scale`` times larger, which is what keeps their small
+    gradients from flushing to zero. Variable updates that ``loss_fn`` makes
+    (batch statistics, RNG counters) are kept, as with ``nnx.grad``.
+
+    Args:
+      loss_fn: ``(model, *args, **kwargs) -> loss``, or ``-> (loss, aux)``
+        with ``has_aux=True``; ``loss`` a scalar.
+      has_aux: whether ``loss_fn`` returns auxiliary data.
+      wrt: an NNX filter (``nnx.Param``, ``nnx.All(...)``...) selecting the
+        variables to differentiate; by default the ``wrt`` filter
+        of the ``nnx.Optimizer`` passed in, or ``nnx.Param`` when an optax
+        state is passed instead.
+
+    Returns:
+      ``(optimizer, model, *args, **kwargs) -> (value, grads)``: ``optimizer``
+      is an ``nnx.Optimizer`` (or any optimizer state holding a loss-scale
+      state), ``value`` is ``loss_fn``'s own, unscaled output and ``grads``
+      (an ``nnx.State``) are the gradients of ``loss * scale``, ready for
+      ``optimizer.update(model, grads)``, which unscales them.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, loss_scale as ls
+      >>> from flax import nnx
+      >>> from loss_scale.flax import find_state, get_scale, nnx_value_and_grad
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> tx = ls.dynamic(optax.sgd(0.1), initial_scale=1024.0)
+      >>> optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+      >>> def loss_fn(model, x, y):
+      ...     return jnp.mean((model(x) - y) ** 2)
+      >>> @nnx.jit
+      ... def train_step(model, optimizer, x, y):
+      ...     loss, grads = nnx_value_and_grad(loss_fn)(optimizer, model, x, y)
+      ...     optimizer.update(model, grads)
+      ...     return loss
+      >>> x, y = jnp.ones((4, 2)), jnp.zeros((4, 1))
+      >>> first = train_step(model, optimizer, x, y)
+      >>> bool(train_step(model, optimizer, x, y) < first), float(get_scale(optimizer))
+      (True, 1024.0)
+      >>> train_step(model, optimizer, x * jnp.inf, y)   # overflow: skipped
+      Array(nan, dtype=float32)
+      >>> float(get_scale(optimizer)), int(find_state(optimizer).skipped_steps), int(optimizer.step[...])
+      (512.0, 1, 3)
+    """
+
+    def scaled(model, scale, *args, **kwargs):
+        out = loss_fn(model, *args, **kwargs)
+        loss = jnp.asarray(out[0] if has_aux else out)
+        return loss.astype(jnp.promote_types(loss.dtype, jnp.float32)) * scale, out
+
+    @functools.wraps(loss_fn)
+    def wrapped(optimizer: PyTree, model: Any, *args, **kwargs):
+        diff_filter = wrt if wrt is not None else getattr(optimizer, "wrt", nnx.Param)
+        scale = jax.lax.stop_gradient(get_scale(optimizer))
+        grad_fn = nnx.grad(scaled, argnums=nnx.DiffState(0, diff_filter), has_aux=True)
+        grads, out = grad_fn(model, scale, *args, **kwargs)
+        return out, grads
+
+    return wrapped

@@ -1,0 +1,258 @@
+"""Loss scaling with flax: NNX (``nnx.Optimizer``, ``loss_scale.flax``) and linen (``TrainState``)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+pytest.importorskip("flax")
+
+from flax import linen as nn  # noqa: E402
+from flax import nnx  # noqa: E402
+from flax.training import train_state  # noqa: E402
+
+import loss_scale as ls  # noqa: E402
+import loss_scale.flax as lsf  # noqa: E402
+
+POLICY = ls.Policy.from_string("params=float32,compute=float16,output=float32")
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs, dtype=jnp.float32):
+        self.hidden = nnx.Linear(4, 16, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.out = nnx.Linear(16, 3, dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.norm(self.hidden(x))))
+
+
+def cross_entropy(model, x, y):
+    logits = model(x).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def batch(n=32, seed=0):
+    x = jax.random.normal(jax.random.key(seed), (n, 4))
+    return x, (x[:, 0] > 0).astype(jnp.int32) + (x[:, 1] > 1).astype(jnp.int32)
+
+
+def pure(tree):
+    return jax.tree.map(np.asarray, nnx.as_pure(tree))
+
+
+def assert_trees_equal(a, b):
+    jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+# One transformation shared by the tests, so that nnx.jit compiles the train
+# step once (the optimizer's tx is part of the traced graph's static data).
+TX = ls.dynamic(optax.adamw(1e-2), initial_scale=2.0**10, growth_interval=3)
+
+
+def make(dtype=jnp.float16, tx=TX):
+    model = MLP(nnx.Rngs(0), dtype=dtype)
+    return model, nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+@nnx.jit
+def train_step(model, optimizer, x, y):
+    loss, grads = lsf.nnx_value_and_grad(cross_entropy)(optimizer, model, x, y)
+    optimizer.update(model, grads)
+    return loss
+
+
+# NNX.
+
+
+def test_nnx_optimizer_trains_under_jit_in_float16():
+    model, optimizer = make()
+    x, y = batch()
+    losses = [float(train_step(model, optimizer, x, y)) for _ in range(10)]
+    assert losses[-1] < losses[0]
+    state = lsf.find_state(optimizer)
+    assert int(state.skipped_steps) == 0
+    assert float(lsf.get_scale(optimizer)) == 2.0**13  # grew after steps 3, 6 and 9
+    assert int(optimizer.opt_state.inner_state[0].count[...]) == 10
+
+
+def test_nnx_forced_overflow_is_skipped():
+    model, optimizer = make()
+    x, y = batch()
+    train_step(model, optimizer, x, y)
+    params_before = pure(nnx.state(model, nnx.Param))
+    opt_before = pure(optimizer.opt_state.inner_state)
+    scale_before = float(lsf.get_scale(optimizer))
+
+    loss = train_step(model, optimizer, x.at[0, 0].set(jnp.inf), y)
+
+    assert not np.isfinite(float(loss))
+    assert_trees_equal(pure(nnx.state(model, nnx.Param)), params_before)
+    assert_trees_equal(pure(optimizer.opt_state.inner_state), opt_before)
+    state = lsf.find_state(optimizer)
+    assert bool(state.skipped) and int(state.skipped_steps) == 1
+    assert float(state.scale) == scale_before / 2
+    # nnx.Optimizer counts every call; the inner optimizer counts applied steps.
+    assert int(optimizer.step[...]) == 2
+    assert int(optimizer.opt_state.inner_state[0].count[...]) == 1
+
+    # The next clean step trains again.
+    train_step(model, optimizer, x, y)
+    assert not bool(lsf.find_state(optimizer).skipped)
+    assert int(optimizer.opt_state.inner_state[0].count[...]) == 2
+
+
+def test_nnx_float16_overflow_from_a_too_large_scale_backs_off():
+    # 2**24 times a gradient of order one overflows float16 (max 65504): the
+    # step is skipped and the scale halves until it fits.
+    model, optimizer = make()
+    optimizer.opt_state.scale[...] = 2.0**24
+    x, y = batch()
+    params_before = pure(nnx.state(model, nnx.Param))
+    train_step(model, optimizer, x, y)
+    state = lsf.find_state(optimizer)
+    assert bool(state.skipped) and float(state.scale) == 2.0**23
+    assert_trees_equal(pure(nnx.state(model, nnx.Param)), params_before)
+    losses = [float(train_step(model, optimizer, x, y)) for _ in range(10)]
+    assert 1 <= int(lsf.find_state(optimizer).skipped_steps) < 11
+    assert np.isfinite(losses[-1]) and losses[-1] < losses[0]
+
+
+def test_nnx_value_and_grad_is_the_gradient_of_the_scaled_loss():
+    model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, ls.static(optax.sgd(0.1), 8.0), wrt=nnx.Param)
+    x, y = batch()
+    loss, grads = lsf.nnx_value_and_grad(cross_entropy)(optimizer, model, x, y)
+    expected_loss, expected = nnx.value_and_grad(lambda m: 8.0 * cross_entropy(m, x, y))(model)
+    np.testing.assert_allclose(loss * 8.0, expected_loss, rtol=1e-6)
+    assert isinstance(grads, nnx.State)
+    assert_trees_equal(pure(grads), pure(expected))
+
+
+def test_nnx_value_and_grad_differentiates_the_optimizers_wrt_only():
+    model, optimizer = make(dtype=jnp.float32, tx=ls.static(optax.sgd(0.1), 4.0))
+    x, y = batch()
+    _, grads = lsf.nnx_value_and_grad(cross_entropy)(optimizer, model, x, y)
+    # Params only: BatchNorm's running statistics get no gradient.
+    assert jax.tree.structure(pure(grads)) == jax.tree.structure(pure(nnx.state(model, nnx.Param)))
+
+
+def test_nnx_value_and_grad_keeps_state_updates_and_aux():
+    model, optimizer = make(dtype=jnp.float32)
+    x, y = batch()
+    mean_before = np.asarray(model.norm.mean[...])
+
+    def loss_with_aux(model, x, y):
+        logits = model(x)
+        return cross_entropy(model, x, y), {"logits": logits}
+
+    (loss, aux), _ = lsf.nnx_value_and_grad(loss_with_aux, has_aux=True)(optimizer, model, x, y)
+    assert aux["logits"].shape == (32, 3) and loss.shape == ()
+    assert not np.array_equal(np.asarray(model.norm.mean[...]), mean_before)
+
+
+def test_nnx_value_and_grad_accepts_an_opt_state_and_a_wrt_filter():
+    model, optimizer = make(dtype=jnp.float32, tx=ls.static(optax.sgd(0.1), 4.0))
+    x, y = batch()
+    _, from_optimizer = lsf.nnx_value_and_grad(cross_entropy)(optimizer, model, x, y)
+    _, from_state = lsf.nnx_value_and_grad(cross_entropy)(optimizer.opt_state, model, x, y)
+    assert_trees_equal(pure(from_optimizer), pure(from_state))
+    hidden_only = nnx.All(nnx.Param, nnx.PathContains("hidden"))
+    _, partial = lsf.nnx_value_and_grad(cross_entropy, wrt=hidden_only)(optimizer, model, x, y)
+    assert set(pure(partial).keys()) == {"hidden"}
+
+
+def test_nnx_loss_scaling_recovers_gradients_that_float16_flushes_to_zero():
+    # Each output's cotangent is 1e-7 / 24 ~ 4e-9, below half of float16's
+    # smallest subnormal (3e-8): a float16 layer flushes it to zero unless the
+    # loss is scaled.
+    x = jax.random.normal(jax.random.key(1), (8, 4))
+
+    def tiny_loss(model, x):
+        return 1e-7 * jnp.mean(model(x).astype(jnp.float32))
+
+    def kernel_grad(dtype, tx):
+        model = nnx.Linear(4, 3, dtype=dtype, param_dtype=jnp.float32, rngs=nnx.Rngs(0))
+        optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+        _, grads = nnx.jit(lsf.nnx_value_and_grad(tiny_loss))(optimizer, model, x)
+        return np.asarray(lsf.find_state(optimizer).scale), np.asarray(nnx.as_pure(grads)["kernel"])
+
+    _, exact = kernel_grad(jnp.float32, ls.no_op(optax.sgd(0.1)))
+    _, unscaled = kernel_grad(jnp.float16, ls.no_op(optax.sgd(0.1)))
+    scale, scaled = kernel_grad(jnp.float16, ls.dynamic(optax.sgd(0.1)))
+    assert np.all(exact != 0) and np.all(unscaled == 0)
+    np.testing.assert_allclose(scaled / scale, exact, rtol=1e-2)
+
+
+def test_find_state_get_scale_and_metrics_return_plain_arrays():
+    _, optimizer = make(tx=ls.dynamic(optax.sgd(0.1), initial_scale=64.0))
+    # The core lookup finds the state but leaves nnx's Variable wrappers on it.
+    assert isinstance(ls.get_scale(optimizer.opt_state), nnx.Variable)
+    for obj in (optimizer, optimizer.opt_state):
+        assert isinstance(lsf.get_scale(obj), jax.Array) and float(lsf.get_scale(obj)) == 64.0
+        state = lsf.find_state(obj)
+        assert all(isinstance(leaf, jax.Array) for leaf in jax.tree.leaves(state))
+        logged = lsf.metrics(obj)
+        assert float(logged["loss_scale/scale"]) == 64.0
+        assert all(isinstance(v, jax.Array) and v.shape == () for v in logged.values())
+
+
+def test_policy_casts_nnx_state_and_keeps_variable_types():
+    model = MLP(nnx.Rngs(0))
+    cast = POLICY.cast_to_compute(nnx.state(model))
+    assert isinstance(cast["hidden"]["kernel"], nnx.Param)
+    assert cast["hidden"]["kernel"][...].dtype == jnp.float16
+    assert cast["norm"]["mean"][...].dtype == jnp.float16
+
+
+# linen.
+
+
+class LinenMLP(nn.Module):
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Dense(16, dtype=self.dtype, param_dtype=jnp.float32)(x))
+        return nn.Dense(3, dtype=self.dtype, param_dtype=jnp.float32)(x)
+
+
+@jax.jit
+def linen_step(state, x, y):
+    def loss_fn(params):
+        logits = state.apply_fn({"params": params}, POLICY.cast_to_compute(x))
+        return optax.softmax_cross_entropy_with_integer_labels(POLICY.cast_to_output(logits), y).mean()
+
+    loss, grads = ls.value_and_grad(loss_fn)(state.opt_state, state.params)
+    return state.apply_gradients(grads=grads), loss
+
+
+def linen_state(**kwargs):
+    model = LinenMLP(dtype=POLICY.compute_dtype)
+    params = model.init(jax.random.key(0), jnp.zeros((1, 4)))["params"]
+    tx = POLICY.loss_scaling(optax.adam(1e-2), **kwargs)
+    return train_state.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+
+
+def test_linen_train_state_trains_and_skips_a_forced_overflow():
+    state = linen_state(initial_scale=2.0**10, growth_interval=4)
+    x, y = batch()
+    losses = []
+    for _ in range(8):
+        state, loss = linen_step(state, x, y)
+        losses.append(float(loss))
+    assert losses[-1] < losses[0]
+    assert float(ls.get_scale(state)) == float(lsf.get_scale(state)) == 2.0**12
+    assert jax.tree.leaves(state.params)[0].dtype == jnp.float32
+
+    before = pure((state.params, state.opt_state))
+    state, loss = linen_step(state, x.at[3, 1].set(jnp.nan), y)
+    assert not np.isfinite(float(loss))
+    params_after, opt_after = pure((state.params, state.opt_state))
+    assert_trees_equal(params_after, before[0])
+    assert_trees_equal(lsf.find_state(opt_after).inner_state, lsf.find_state(before[1]).inner_state)
+    assert float(ls.get_scale(state)) == 2.0**11
+    assert int(ls.find_state(state).skipped_steps) == 1
+    assert int(state.step) == 9  # TrainState.step counts the skipped step too
+    assert float(lsf.metrics(state)["loss_scale/skipped_steps"]) == 1
