@@ -46,7 +46,8 @@ What every preset shares, and where that differs from some peers:
 Every preset also takes, keyword-only, the options of ``loss_scale.dynamic``:
 ``max_grad_norm`` (fused clipping of the unscaled gradients; ``cerebras``
 takes its own ``max_gradient_norm`` instead), ``track_grad_norm``,
-``locate_overflows`` and ``axis_name``.
+``locate_overflows``, ``axis_name``, ``max_consecutive_skips`` and
+``track_underflow``.
 """
 
 from __future__ import annotations
@@ -70,12 +71,16 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 _Result = optax.GradientTransformationExtraArgs
 
 
-def _options(max_grad_norm, track_grad_norm, locate_overflows, axis_name) -> Options:
+def _options(
+    max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
+) -> Options:
     return Options(
         max_grad_norm=max_grad_norm,
         track_grad_norm=track_grad_norm,
         locate_overflows=locate_overflows,
         axis_name=axis_name,
+        max_consecutive_skips=max_consecutive_skips,
+        track_underflow=track_underflow,
     )
 
 
@@ -129,6 +134,8 @@ def torch(
     track_grad_norm: bool = False,
     locate_overflows: bool = False,
     axis_name: Hashable | None = None,
+    max_consecutive_skips: int | None = None,
+    track_underflow: bool = False,
 ) -> _Result:
     """``torch.amp.GradScaler``'s rule (torch 2.13).
 
@@ -174,7 +181,9 @@ def torch(
       8.0 True
       8.0 False
     """
-    options = _options(max_grad_norm, track_grad_norm, locate_overflows, axis_name)
+    options = _options(
+        max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
+    )
     if not enabled:
         return loss_scaled(inner, StaticRule(1.0), options)
     rule = _dynamic_rule(
@@ -198,6 +207,8 @@ def keras(
     track_grad_norm: bool = False,
     locate_overflows: bool = False,
     axis_name: Hashable | None = None,
+    max_consecutive_skips: int | None = None,
+    track_underflow: bool = False,
 ) -> _Result:
     """Keras 3's ``keras.optimizers.LossScaleOptimizer`` (Keras 3.15).
 
@@ -247,7 +258,11 @@ def keras(
         min_scale=FLOAT32_TINY,
         max_scale=math.inf,
     )
-    return loss_scaled(inner, rule, _options(max_grad_norm, track_grad_norm, locate_overflows, axis_name))
+    return loss_scaled(
+        inner,
+        rule,
+        _options(max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow),
+    )
 
 
 def tf_keras(
@@ -260,6 +275,8 @@ def tf_keras(
     track_grad_norm: bool = False,
     locate_overflows: bool = False,
     axis_name: Hashable | None = None,
+    max_consecutive_skips: int | None = None,
+    track_underflow: bool = False,
 ) -> _Result:
     """tf-keras's ``tf.keras.mixed_precision.LossScaleOptimizer`` (tf-keras 2.21).
 
@@ -305,7 +322,9 @@ def tf_keras(
       1.0 False
       2.0 False
     """
-    options = _options(max_grad_norm, track_grad_norm, locate_overflows, axis_name)
+    options = _options(
+        max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
+    )
     if not dynamic:
         if initial_scale is None:
             raise ValueError('"initial_scale" must be specified if "dynamic" is False')
@@ -346,6 +365,8 @@ def deepspeed(
     track_grad_norm: bool = False,
     locate_overflows: bool = False,
     axis_name: Hashable | None = None,
+    max_consecutive_skips: int | None = None,
+    track_underflow: bool = False,
 ) -> _Result:
     """DeepSpeed's ``fp16`` dynamic loss scaler (DeepSpeed 0.19).
 
@@ -415,7 +436,9 @@ def deepspeed(
       8.0 False
       16.0 False
     """
-    options = _options(max_grad_norm, track_grad_norm, locate_overflows, axis_name)
+    options = _options(
+        max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
+    )
     if loss_scale:
         return loss_scaled(inner, _static_rule("loss_scale", loss_scale), options)
     power = _count("initial_scale_power", initial_scale_power, -126)
@@ -452,6 +475,8 @@ def megatron(
     track_grad_norm: bool = False,
     locate_overflows: bool = False,
     axis_name: Hashable | None = None,
+    max_consecutive_skips: int | None = None,
+    track_underflow: bool = False,
 ) -> _Result:
     """Megatron-LM's ``DynamicGradScaler`` (megatron-core 0.16).
 
@@ -499,7 +524,9 @@ def megatron(
       4.0 False
       4.0 True
     """
-    options = _options(max_grad_norm, track_grad_norm, locate_overflows, axis_name)
+    options = _options(
+        max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
+    )
     if loss_scale:
         return loss_scaled(inner, _static_rule("loss_scale", loss_scale), options)
     rule = _dynamic_rule(
@@ -527,6 +554,8 @@ def apex(
     track_grad_norm: bool = False,
     locate_overflows: bool = False,
     axis_name: Hashable | None = None,
+    max_consecutive_skips: int | None = None,
+    track_underflow: bool = False,
 ) -> _Result:
     """NVIDIA Apex amp's ``LossScaler`` (last published source, apex master).
 
@@ -571,7 +600,9 @@ def apex(
       1.0 False
       1.0 False
     """
-    options = _options(max_grad_norm, track_grad_norm, locate_overflows, axis_name)
+    options = _options(
+        max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
+    )
     if loss_scale != "dynamic":
         return loss_scaled(inner, _static_rule("loss_scale", loss_scale), options)
     try:
@@ -609,6 +640,8 @@ def flax(
     track_grad_norm: bool = False,
     locate_overflows: bool = False,
     axis_name: Hashable | None = None,
+    max_consecutive_skips: int | None = None,
+    track_underflow: bool = False,
 ) -> _Result:
     """flax's ``flax.training.dynamic_scale.DynamicScale`` (flax 0.12).
 
@@ -659,7 +692,11 @@ def flax(
         min_scale=FLOAT32_TINY if minimum_scale is None else minimum_scale,
         max_scale=FLOAT32_MAX,
     )
-    return loss_scaled(inner, rule, _options(max_grad_norm, track_grad_norm, locate_overflows, axis_name))
+    return loss_scaled(
+        inner,
+        rule,
+        _options(max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow),
+    )
 
 
 def jmp(
@@ -673,6 +710,8 @@ def jmp(
     track_grad_norm: bool = False,
     locate_overflows: bool = False,
     axis_name: Hashable | None = None,
+    max_consecutive_skips: int | None = None,
+    track_underflow: bool = False,
 ) -> _Result:
     """jmp's ``jmp.DynamicLossScale`` (jmp 0.0.4).
 
@@ -722,7 +761,11 @@ def jmp(
         min_scale=min_loss_scale,
         max_scale=math.inf,
     )
-    return loss_scaled(inner, rule, _options(max_grad_norm, track_grad_norm, locate_overflows, axis_name))
+    return loss_scaled(
+        inner,
+        rule,
+        _options(max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow),
+    )
 
 
 def cerebras(
@@ -737,6 +780,8 @@ def cerebras(
     track_grad_norm: bool = False,
     locate_overflows: bool = False,
     axis_name: Hashable | None = None,
+    max_consecutive_skips: int | None = None,
+    track_underflow: bool = False,
 ) -> _Result:
     """Cerebras' ``cerebras.pytorch.amp.GradScaler(loss_scale="dynamic")``.
 
@@ -822,5 +867,12 @@ def cerebras(
         ]:
             message = re.sub(rf"\b{ours}\b", theirs, message)
         raise type(error)(message) from None
-    options = _options(max_gradient_norm if max_gradient_norm else None, track_grad_norm, locate_overflows, axis_name)
+    options = _options(
+        max_gradient_norm if max_gradient_norm else None,
+        track_grad_norm,
+        locate_overflows,
+        axis_name,
+        max_consecutive_skips,
+        track_underflow,
+    )
     return loss_scaled(inner, rule, options)

@@ -733,3 +733,15 @@ def test_peer_style_none_and_integral_float_settings():
     assert scales_of("megatron", {"initial_loss_scale": 4.0, "loss_scale_window": 2.0}, "..") == [4.0, 8.0]
     # Apex: min_loss_scale 0 means no minimum, as None
     assert scales_of("apex", {"init_scale": 2.0**-125, "min_loss_scale": 0}, "xx") == [FLOAT32_TINY] * 2
+
+
+@pytest.mark.parametrize(
+    "name", ["torch", "keras", "tf_keras", "deepspeed", "megatron", "apex", "flax", "jmp", "cerebras"]
+)
+def test_every_preset_takes_the_diagnostic_options(name):
+    make = getattr(ls.presets, name)
+    tx = make(optax.sgd(0.1), track_underflow=True, max_consecutive_skips=3, locate_overflows=True)
+    params = {"w": jnp.zeros(2)}
+    _, state = jax.jit(tx.update)({"w": jnp.array([0.0, jnp.inf])}, tx.init(params), params)
+    assert bool(state.skipped) and state.zero_fraction is not None
+    assert ls.overflow_paths(state, params) == ["['w']"]
