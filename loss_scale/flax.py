@@ -22,8 +22,11 @@ inner optimizer's own count, or ``step - find_state(optimizer).skipped_steps``.
 **linen.** ``flax.training.train_state.TrainState(tx=ls.dynamic(...))`` works
 as it is, with ``loss_scale.value_and_grad(loss_fn)(state.opt_state,
 state.params, batch)`` and ``state.apply_gradients(grads=grads)``; as with
-NNX, ``state.step`` counts skipped steps too. The functions here accept a
-``TrainState`` as well.
+NNX, ``state.step`` counts skipped steps too. ``apply_gradients(state,
+grads)`` here does the same through ``loss_scale.apply_gradients``, which
+adds the updates to the params inside the taken branch (one write and one
+read of a parameter-sized buffer less, see the README's Performance). The
+functions here accept a ``TrainState`` as well.
 
 For mixed precision, give flax layers ``dtype=policy.compute_dtype,
 param_dtype=policy.param_dtype`` (see ``loss_scale.Policy``): the params stay
@@ -45,7 +48,7 @@ from loss_scale._metrics import metrics as _metrics
 from loss_scale._state import LossScaleState
 from loss_scale._types import PyTree
 
-__all__ = ["find_state", "get_scale", "metrics", "nnx_value_and_grad"]
+__all__ = ["apply_gradients", "find_state", "get_scale", "metrics", "nnx_value_and_grad"]
 
 
 def find_state(obj: Any) -> LossScaleState:
@@ -176,3 +179,35 @@ def nnx_value_and_grad(
         return out, grads
 
     return wrapped
+
+
+def apply_gradients(state: Any, grads: PyTree, **extra_args: Any) -> Any:
+    """``state.apply_gradients(grads=grads)`` for a flax ``TrainState``, fused.
+
+    Calls ``loss_scale.apply_gradients(state.tx, grads, state.opt_state,
+    state.params)``, so that with a loss-scaling ``tx`` the update is added to
+    the params inside the taken branch; then ``step + 1``, as flax does.
+
+    Args:
+      state: a ``flax.training.train_state.TrainState`` (or any struct with
+        ``tx``, ``params``, ``opt_state``, ``step`` and ``replace``).
+      grads: gradients of ``loss * scale``.
+      **extra_args: passed on to the optimizer's update.
+
+    Returns:
+      The new state.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, loss_scale as ls
+      >>> from flax.training import train_state
+      >>> from loss_scale.flax import apply_gradients
+      >>> state = train_state.TrainState.create(
+      ...     apply_fn=None, params={"w": jnp.ones(2)}, tx=ls.dynamic(optax.sgd(0.5), initial_scale=4.0))
+      >>> state = apply_gradients(state, {"w": jnp.array([4.0, jnp.inf])})
+      >>> state.params["w"], int(state.step), bool(find_state(state).skipped)
+      (Array([1., 1.], dtype=float32), 1, True)
+    """
+    from loss_scale._transform import apply_gradients as _apply_gradients
+
+    params, opt_state = _apply_gradients(state.tx, grads, state.opt_state, state.params, **extra_args)
+    return state.replace(step=state.step + 1, params=params, opt_state=opt_state)

@@ -256,3 +256,19 @@ def test_linen_train_state_trains_and_skips_a_forced_overflow():
     assert int(ls.find_state(state).skipped_steps) == 1
     assert int(state.step) == 9  # TrainState.step counts the skipped step too
     assert float(lsf.metrics(state)["loss_scale/skipped_steps"]) == 1
+
+
+def test_linen_fused_apply_gradients_equals_train_state_apply_gradients():
+    params = {"w": jnp.linspace(-1.0, 1.0, 6).reshape(2, 3), "b": jnp.zeros(3)}
+    state = train_state.TrainState.create(
+        apply_fn=None, params=params, tx=ls.dynamic(optax.adam(0.1), initial_scale=8.0)
+    )
+    for poison in [1.0, jnp.inf, 1.0]:
+        grads = {"w": jnp.full((2, 3), 8.0 * poison), "b": jnp.arange(3.0) * 8.0}
+        fused = jax.jit(lsf.apply_gradients)(state, grads)
+        plain = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, grads)
+        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), fused.params, plain.params)
+        assert int(fused.step) == int(plain.step)
+        assert float(ls.get_scale(fused)) == float(ls.get_scale(plain))
+        state = fused
+    assert int(ls.find_state(state).skipped_steps) == 1
