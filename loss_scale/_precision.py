@@ -196,7 +196,7 @@ class Policy:
         return _cast_floating(tree, self.output_dtype)
 
     def loss_scaling(
-        self, inner: optax.GradientTransformation, **dynamic_kwargs: Any
+        self, inner: optax.GradientTransformation, *, skip_nonfinite: bool = False, **dynamic_kwargs: Any
     ) -> optax.GradientTransformationExtraArgs:
         """``inner`` wrapped in the loss scaling this policy needs.
 
@@ -207,11 +207,11 @@ class Policy:
         """
         dtypes = (self.param_dtype, self.compute_dtype, self.output_dtype)
         narrowest = np.dtype(jnp.float16) if np.dtype(jnp.float16) in dtypes else self.compute_dtype
-        return for_dtype(inner, narrowest, **dynamic_kwargs)
+        return for_dtype(inner, narrowest, skip_nonfinite=skip_nonfinite, **dynamic_kwargs)
 
 
 def for_dtype(
-    inner: optax.GradientTransformation, dtype: DTypeLike, **dynamic_kwargs: Any
+    inner: optax.GradientTransformation, dtype: DTypeLike, *, skip_nonfinite: bool = False, **dynamic_kwargs: Any
 ) -> optax.GradientTransformationExtraArgs:
     """The loss scaling that training in ``dtype`` needs, around ``inner``.
 
@@ -227,6 +227,9 @@ def for_dtype(
     Args:
       inner: the optimizer to wrap.
       dtype: the compute dtype, as a dtype or a name (``"f16"``, ``"bf16"``...).
+      skip_nonfinite: for the wider dtypes, skip non-finite steps as
+        ``loss_scale.no_op(inner, skip_nonfinite=True)`` does (float16 always
+        skips them).
       **dynamic_kwargs: settings for ``loss_scale.dynamic``.
 
     Returns:
@@ -251,7 +254,7 @@ def for_dtype(
     if dtype == np.dtype(jnp.float16):
         return scaled
     if dtype in _WIDE_RANGE:
-        return no_op(inner)
+        return no_op(inner, skip_nonfinite=skip_nonfinite)
     raise ValueError(
         f"no loss-scaling rule for {dtype}: expected float16 (dynamic loss scaling) or "
         "bfloat16/float32/float64 (none needed)"

@@ -221,3 +221,18 @@ def test_float16_gradients_survive_with_the_chosen_scaling():
     scaled = policy.loss_scaling(optax.sgd(1.0))
     assert bool(jnp.all(true_grads(unscaled.init(params), params, a, b) == 0))
     np.testing.assert_array_equal(true_grads(scaled.init(params), params, a, b), 2.0**-30)
+
+
+def test_for_dtype_can_skip_nonfinite_steps_in_wide_dtypes():
+    params = jnp.zeros(2)
+    bad = jnp.array([1.0, jnp.nan])
+    for make in (
+        lambda **kw: ls.for_dtype(optax.sgd(1.0), "bf16", **kw),
+        lambda **kw: ls.Policy.from_string("p=f32,c=bf16,o=f32").loss_scaling(optax.sgd(1.0), **kw),
+    ):
+        unchecked = make()
+        updates, _ = jax.jit(unchecked.update)(bad, unchecked.init(params))
+        assert bool(jnp.isnan(updates[1]))
+        checked = make(skip_nonfinite=True)
+        updates, state = jax.jit(checked.update)(bad, checked.init(params))
+        assert bool(state.skipped) and bool(jnp.all(updates == 0))
