@@ -4,17 +4,22 @@
 #   bash benchmarks/gpu.sh            # from the repository root, on a machine with an NVIDIA GPU
 #
 # Installs the package with its benchmark extras and a CUDA build of jax
-# (skip that with LOSS_SCALE_NO_INSTALL=1 when jax[cuda] is already there),
-# checks that jax sees a GPU, runs benchmarks/overhead.py on it (the same
-# models, variants and table as on CPU), then prints the float16-compute
-# speedup over float32 of each model from that run.
+# (skip that with LOSS_SCALE_NO_INSTALL=1 when jax[cuda], optax and chex are
+# already there: the package is then imported from this checkout), checks
+# that jax sees a GPU, runs benchmarks/overhead.py on it (the same variants
+# and table as on CPU, on its --large models unless SIZE=default), then
+# prints the float16-compute speedup over float32 of each model.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-.}
 if [ "${LOSS_SCALE_NO_INSTALL:-0}" != 1 ]; then
-  python -m pip install -q -e ".[bench]" "jax[cuda12]"
+  python3 -m pip install -q -e ".[bench]" "jax[cuda12]"
+else
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
-python - <<'PY'
+size_flag=--large
+[ "${SIZE:-large}" = default ] && size_flag=
+python3 - <<'PY'
 import jax
 backend = jax.default_backend()
 print("jax", jax.__version__, "devices:", jax.devices())
@@ -22,6 +27,6 @@ if backend != "gpu":
     raise SystemExit(f"no GPU visible to jax (backend {backend!r}); this script measures a GPU")
 PY
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv || true
-python benchmarks/overhead.py --models mlp,transformer --precisions f32,mixed --rounds "${ROUNDS:-30}" \
+python3 benchmarks/overhead.py $size_flag --models mlp,transformer --precisions f32,mixed --rounds "${ROUNDS:-30}" \
   --json "$out/gpu_overhead.json" | tee "$out/gpu_overhead.txt"
-python benchmarks/speedup.py "$out/gpu_overhead.json" | tee "$out/gpu_speedup.txt"
+python3 benchmarks/speedup.py "$out/gpu_overhead.json" | tee "$out/gpu_speedup.txt"

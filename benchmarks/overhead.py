@@ -266,16 +266,24 @@ def make_transformer(
     return Model("transformer", precision, description, params, tokens, loss_fn)
 
 
-def build_model(name: str, precision: str, quick: bool) -> Model:
+def build_model(name: str, precision: str, quick: bool, large: bool = False) -> Model:
     """The benchmark's model configurations; ``quick`` shrinks them to a
-    smoke test that compiles and runs in seconds."""
+    smoke test that compiles and runs in seconds, ``large`` grows them to a
+    size that keeps a GPU busy for milliseconds per step (~240M and ~200M
+    parameters), so that kernel launches do not dominate the timings."""
     if name == "mlp":
         if quick:
             return make_mlp(precision, (64, 128, 10), batch_size=8)
+        if large:
+            return make_mlp(precision, (4096, 8192, 8192, 8192, 8192, 1000), batch_size=1024)
         return make_mlp(precision, (1024, 2048, 2048, 2048, 2048, 2048, 1000), batch_size=64)
     if name == "transformer":
         if quick:
             return make_transformer(precision, vocab=128, d_model=32, n_layers=1, n_heads=2, seq_len=16, batch_size=2)
+        if large:
+            return make_transformer(
+                precision, vocab=32768, d_model=1024, n_layers=12, n_heads=16, seq_len=512, batch_size=16
+            )
         return make_transformer(precision, vocab=8192, d_model=256, n_layers=8, n_heads=4, seq_len=64, batch_size=4)
     raise ValueError(f"unknown model {name!r}; choose from mlp, transformer")
 
@@ -900,7 +908,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 2, --quick 1)")
     parser.add_argument("--models", default="mlp,transformer", help="comma-separated: mlp,transformer")
     parser.add_argument("--precisions", default="f32,mixed", help="comma-separated: f32,mixed")
-    parser.add_argument("--quick", action="store_true", help="tiny models and few rounds: a smoke test")
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument("--quick", action="store_true", help="tiny models and few rounds: a smoke test")
+    size.add_argument("--large", action="store_true", help="~200M-parameter models, for a GPU")
     parser.add_argument("--json", metavar="PATH", help="write the results to PATH as JSON")
     parser.add_argument("--dump-hlo", metavar="DIR", help="write each executable's optimized HLO to DIR")
     malloc = parser.add_mutually_exclusive_group()
@@ -943,6 +953,8 @@ def _run_in_subprocess(args: argparse.Namespace, tuned: bool) -> dict[str, Any]:
     ]  # fmt: skip
     if args.quick:
         child_argv.append("--quick")
+    if args.large:
+        child_argv.append("--large")
     if args.dump_hlo:
         child_argv += ["--dump-hlo", os.path.join(args.dump_hlo, "tuned" if tuned else "default")]
     with tempfile.TemporaryDirectory() as tmp:
@@ -965,7 +977,7 @@ def _run_here(args: argparse.Namespace) -> dict[str, Any]:
         for precision in args.precisions:
             start = time.perf_counter()
             result = benchmark_model(
-                build_model(name, precision, args.quick),
+                build_model(name, precision, args.quick, args.large),
                 args.rounds,
                 args.warmup,
                 hlo_dir=args.dump_hlo,
