@@ -14,7 +14,15 @@ from loss_scale._metrics import metrics, overflow_paths
 from loss_scale._migrate import wrap_opt_state
 from loss_scale._precision import Policy, for_dtype
 from loss_scale._state import LossScaleState
-from loss_scale._transform import Float16StateWarning, SkippedStepsError, apply_gradients, dynamic, no_op, static
+from loss_scale._transform import (
+    Float16StateWarning,
+    SkippedStepsError,
+    apply_gradients,
+    dynamic,
+    no_op,
+    predictive,
+    static,
+)
 from loss_scale._tree import all_finite
 
 __version__ = "0.1.0"
@@ -33,6 +41,7 @@ __all__ = [
     "metrics",
     "no_op",
     "overflow_paths",
+    "predictive",
     "presets",
     "scale_loss",
     "static",

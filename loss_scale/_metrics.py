@@ -17,6 +17,8 @@ _SCALARS = (
     "backoffs",
     "steps_at_min",
     "grad_max",
+    "headroom",
+    "grad_peak",
     "grad_norm",
     "zero_fraction",
     "below_normal_fraction",
@@ -34,7 +36,8 @@ def metrics(opt_state: PyTree, prefix: str = "loss_scale/") -> dict[str, jax.Arr
       ``{prefix + name: scalar}`` for ``scale``, ``skipped``,
       ``skipped_steps``, ``consecutive_skips``, ``good_steps``, ``growths``,
       ``backoffs``, ``steps_at_min``, ``grad_max`` and, when tracked,
-      ``grad_norm``, ``zero_fraction`` and ``below_normal_fraction``. Works inside ``jit``; pass the result to clu,
+      ``headroom`` and ``grad_peak`` (``predictive``), ``grad_norm``,
+      ``zero_fraction`` and ``below_normal_fraction``. Works inside ``jit``; pass the result to clu,
       tensorboardX or wandb as it is.
 
     Example:

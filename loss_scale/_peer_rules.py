@@ -1,7 +1,7 @@
 """Scale rules that ``DynamicRule`` cannot express, for ``loss_scale.presets``.
 
 Each rule follows the protocol of ``_state.DynamicRule``: ``init() ->
-ScaleCounters``, ``adjust(counters, finite) -> ScaleCounters`` and a ``floor``
+ScaleCounters``, ``adjust(counters, finite, grad_max) -> ScaleCounters`` and a ``floor``
 property, with its configuration validated once at construction and only
 arrays in the counters.
 """
@@ -91,8 +91,9 @@ class CerebrasRule:
             overflow_budget=jnp.zeros((), jnp.int32),
         )
 
-    def adjust(self, counters: ScaleCounters, finite: jax.Array) -> ScaleCounters:
-        scale, clean, overflows = counters
+    def adjust(self, counters: ScaleCounters, finite: jax.Array, grad_max: jax.Array | None = None) -> ScaleCounters:
+        del grad_max  # a reactive rule
+        scale, clean, overflows = counters.scale, counters.good_steps, counters.overflow_budget
         clean = clean + finite.astype(jnp.int32)
         overflows = overflows + jnp.logical_not(finite).astype(jnp.int32)
         steps = clean + overflows

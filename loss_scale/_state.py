@@ -48,6 +48,13 @@ class LossScaleState(NamedTuple):
         (many of them, with skips, mean the gradients overflow at any scale).
       grad_max: float32, the largest unscaled gradient magnitude of the last
         step (inf or nan when it overflowed).
+      headroom: int32, with ``loss_scale.predictive`` only (``None``
+        otherwise): the margin, in powers of two, that the scale keeps between
+        the recent peak of the scaled gradients and float16's largest value;
+        learned from overflows.
+      grad_peak: float32, with ``loss_scale.predictive`` only: the recent
+        peak of ``grad_max``, a running maximum that halves every
+        ``peak_half_life`` steps unless a larger gradient renews it.
       grad_norm: float32, the global norm of the last step's unscaled
         gradients, when tracked (``track_grad_norm`` or ``max_grad_norm``);
         ``None`` (an empty subtree) otherwise.
@@ -74,6 +81,8 @@ class LossScaleState(NamedTuple):
     backoffs: jax.Array
     steps_at_min: jax.Array
     grad_max: jax.Array
+    headroom: jax.Array | None
+    grad_peak: jax.Array | None
     grad_norm: jax.Array | None
     zero_fraction: jax.Array | None
     below_normal_fraction: jax.Array | None
@@ -82,11 +91,14 @@ class LossScaleState(NamedTuple):
 
 
 class ScaleCounters(NamedTuple):
-    """The part of the state that a scale rule reads and writes."""
+    """The part of the state that a scale rule reads and writes; the last two
+    fields are the predictive rule's (``None`` for the others)."""
 
     scale: jax.Array
     good_steps: jax.Array
     overflow_budget: jax.Array
+    headroom: jax.Array | None = None
+    grad_peak: jax.Array | None = None
 
 
 def _check_positive_finite(name: str, value: float) -> float:
@@ -194,8 +206,9 @@ class DynamicRule:
             overflow_budget=jnp.asarray(self.hysteresis, jnp.int32),
         )
 
-    def adjust(self, counters: ScaleCounters, finite: jax.Array) -> ScaleCounters:
-        scale, good_steps, budget = counters
+    def adjust(self, counters: ScaleCounters, finite: jax.Array, grad_max: jax.Array | None = None) -> ScaleCounters:
+        del grad_max  # a reactive rule: only whether the step overflowed matters
+        scale, good_steps, budget = counters.scale, counters.good_steps, counters.overflow_budget
         hysteresis = jnp.asarray(self.hysteresis, jnp.int32)
 
         # Clean step.
@@ -241,12 +254,178 @@ class StaticRule:
             overflow_budget=jnp.ones((), jnp.int32),
         )
 
-    def adjust(self, counters: ScaleCounters, finite: jax.Array) -> ScaleCounters:
+    def adjust(self, counters: ScaleCounters, finite: jax.Array, grad_max: jax.Array | None = None) -> ScaleCounters:
+        del grad_max
         good_steps = jnp.where(finite, counters.good_steps + 1, 0).astype(jnp.int32)
         return counters._replace(good_steps=good_steps)
 
 
-Rule = DynamicRule | StaticRule
+def _floor_log2(x: jax.Array) -> jax.Array:
+    """``floor(log2(x))`` as int32, exact for positive finite float32 (XLA's
+    log2 is not exact at powers of two)."""
+    return jnp.frexp(x)[1] - 1
+
+
+def _pow2(exponent: jax.Array) -> jax.Array:
+    """``2**exponent`` in float32, exact (0 or inf outside float32's range)."""
+    return jnp.ldexp(jnp.float32(1.0), exponent.astype(jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class PredictiveRule:
+    """Predictive loss scaling: aim the scale at the recent gradient peak.
+
+    The rule reads ``grad_max``, the largest unscaled gradient magnitude of
+    each step, which the finite check computes anyway. It keeps ``grad_peak``,
+    a running maximum of it that halves every ``peak_half_life`` steps, and a
+    learned ``headroom`` H (an integer, in powers of two), and sets the scale
+    to the power of two at or below ::
+
+        target = overflow_threshold / (grad_peak * 2**H)
+
+    so that the largest scaled gradient seen lately sits H binades below
+    float16's largest value. The float16 values that overflow are often not
+    the parameter gradients but intermediate values of the backward pass
+    (logits, activations), larger by a model-dependent factor; H learns that
+    factor from overflows.
+
+    * Clean step: ``grad_peak = max(grad_max, grad_peak * decay)``; the scale
+      moves to ``target``: downwards at once (backing off *before* the next
+      overflow when the gradients grow), upwards by at most a factor of 2 a
+      step (so that an overflow while growing pins H to within one binade).
+    * First measurement (the first clean step with a non-zero gradient): H
+      becomes the headroom that step had, ``floor(log2(threshold /
+      (grad_max * scale)))``, kept within [``min_headroom``,
+      ``initial_headroom``]: the scale stays where it was verified, or jumps
+      up to the target for ``initial_headroom``, or down to ``min_headroom``'s.
+    * Headroom search: then, until the first overflow, H drops by one on
+      every clean step (the scale climbs a binade a step) down to
+      ``min_headroom``. After it, H drops by one after every
+      ``headroom_interval`` clean steps in a row, probing for a smaller
+      margin; each probe may cost one skipped step, so they are rare.
+    * Overflow, the first of a run: H becomes one more than the headroom the
+      scale had, ``max(H, floor(log2(threshold / (grad_peak * scale)))) +
+      1``, and the scale moves to the new target (at least halving). The
+      overflow that ends the search adds two: its climb left the scale within
+      a binade of the edge, so one binade to get below it and one of margin.
+      Before any measurement there is nothing to learn from: the scale
+      drops to ``min_scale``, and the first measurement sets it.
+    * Further overflows in a row (the gradients jumped, or the data is bad):
+      H is left alone and the scale backs off faster each time, by 2, 4, 16,
+      256, ... (15 binades in four skips, where halving needs 15); the climb
+      back is a binade a step.
+
+    ``good_steps`` counts clean steps since H last changed and, during a run
+    of overflows, minus the number of overflows; ``overflow_budget`` is 1
+    while the headroom search is on, 0 after it.
+    """
+
+    initial_scale: float = 2.0**15
+    initial_headroom: int = 12
+    min_headroom: int = 1
+    headroom_interval: int = 20000
+    peak_half_life: float = 100.0
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+    overflow_threshold: float = 65504.0
+
+    def __post_init__(self):
+        DynamicRule(initial_scale=self.initial_scale, min_scale=self.min_scale, max_scale=self.max_scale)
+        for name in ("initial_headroom", "min_headroom"):
+            value = getattr(self, name)
+            _check_int(name, value, -64)
+            if value > 64:
+                raise ValueError(f"{name} must be in [-64, 64], got {value!r}")
+        if self.initial_headroom < self.min_headroom:
+            raise ValueError(
+                f"initial_headroom ({self.initial_headroom!r}) must be >= min_headroom ({self.min_headroom!r})"
+            )
+        _check_int("headroom_interval", self.headroom_interval, 1)
+        half_life = _check_positive_finite("peak_half_life", self.peak_half_life)
+        if half_life < 1:
+            raise ValueError(f"peak_half_life must be >= 1 step, got {self.peak_half_life!r}")
+        threshold = _check_positive_finite("overflow_threshold", self.overflow_threshold)
+        if threshold > float(np.finfo(np.float32).max):
+            raise ValueError(f"overflow_threshold must be a finite float32, got {self.overflow_threshold!r}")
+
+    @property
+    def floor(self) -> float:
+        """The lowest scale the rule can reach."""
+        return float(np.float32(self.min_scale))
+
+    def init(self) -> ScaleCounters:
+        return ScaleCounters(
+            scale=jnp.asarray(self.initial_scale, jnp.float32),
+            good_steps=jnp.zeros((), jnp.int32),
+            overflow_budget=jnp.ones((), jnp.int32),
+            headroom=jnp.asarray(self.initial_headroom, jnp.int32),
+            grad_peak=jnp.zeros((), jnp.float32),
+        )
+
+    def _room(self, magnitude: jax.Array) -> jax.Array:
+        """``floor(log2(threshold / magnitude))``, int32; large for 0 or a
+        subnormal magnitude."""
+        room = jnp.float32(self.overflow_threshold) / magnitude
+        return jnp.where(jnp.isfinite(room), _floor_log2(room), 1000)
+
+    def _clamp(self, scale: jax.Array, fallback: jax.Array) -> jax.Array:
+        scale = jnp.clip(scale, jnp.float32(self.min_scale), jnp.float32(self.max_scale))
+        # A scale of inf would turn every loss into inf (max_scale may be inf).
+        return jnp.where(jnp.isfinite(scale), scale, fallback)
+
+    def target(self, peak: jax.Array, headroom: jax.Array) -> jax.Array:
+        """The power of two at or below ``threshold / (peak * 2**headroom)``."""
+        return _pow2(jnp.clip(self._room(peak) - headroom, -200, 200))
+
+    def adjust(self, counters: ScaleCounters, finite: jax.Array, grad_max: jax.Array | None = None) -> ScaleCounters:
+        if grad_max is None:
+            raise ValueError("the predictive rule needs the step's grad_max")
+        scale, good_steps, searching = counters.scale, counters.good_steps, counters.overflow_budget
+        headroom, peak = counters.headroom, counters.grad_peak
+        known = peak > 0  # a clean step with a non-zero gradient was seen
+
+        # Clean step.
+        grad_max = jnp.where(finite, grad_max, 0)
+        new_peak = jnp.maximum(grad_max, peak * jnp.float32(2.0 ** (-1.0 / self.peak_half_life)))
+        clean_steps = jnp.maximum(good_steps, 0) + 1
+        relax = ((searching == 1) & known) | (clean_steps >= self.headroom_interval)
+        clean_headroom = jnp.where(relax, jnp.maximum(headroom - 1, self.min_headroom), headroom)
+        # The first measurement: no more headroom than this step had.
+        had_now = self._room(grad_max * scale)
+        first_headroom = jnp.maximum(jnp.minimum(clean_headroom, had_now), self.min_headroom)
+        clean_headroom = jnp.where(known, clean_headroom, first_headroom)
+        target = self.target(new_peak, clean_headroom)
+        target = jnp.where(known, jnp.minimum(target, scale * 2), target)
+        clean = ScaleCounters(
+            scale=self._clamp(jnp.where(new_peak > 0, target, scale), scale),
+            good_steps=jnp.where(relax, 0, clean_steps).astype(jnp.int32),
+            overflow_budget=searching,
+            headroom=jnp.where(new_peak > 0, clean_headroom, headroom).astype(jnp.int32),
+            grad_peak=new_peak,
+        )
+
+        # Overflow.
+        first = good_steps >= 0
+        had = self._room(peak * scale)
+        # The search leaves the scale at the edge: two binades, one to be
+        # below it and one of margin. Later overflows add one.
+        learned = jnp.where(first & known, jnp.maximum(headroom, had) + 1 + searching, headroom)
+        # The n-th overflow in a row backs off by 2**-(2**(n-1)): 2, 4, 16, 256, ...
+        run = jnp.where(first, 1, 1 - good_steps)
+        shrunk = scale * _pow2(-jnp.left_shift(1, jnp.minimum(run - 1, 7)))
+        shrunk = jnp.where(first & known, jnp.minimum(shrunk, self.target(peak, learned)), shrunk)
+        shrunk = jnp.where(known, shrunk, jnp.float32(self.min_scale))
+        overflow = ScaleCounters(
+            scale=self._clamp(shrunk, jnp.float32(self.min_scale)),
+            good_steps=jnp.where(first, -1, good_steps - 1).astype(jnp.int32),
+            overflow_budget=jnp.where(known, 0, searching).astype(jnp.int32),
+            headroom=learned.astype(jnp.int32),
+            grad_peak=peak,
+        )
+        return jax.tree.map(lambda c, o: jnp.where(finite, c, o), clean, overflow)
+
+
+Rule = DynamicRule | StaticRule | PredictiveRule
 
 
 def init_state(
@@ -278,6 +457,8 @@ def init_state(
         backoffs=zero(),
         steps_at_min=zero(),
         grad_max=jnp.zeros((), jnp.float32),
+        headroom=counters.headroom,
+        grad_peak=counters.grad_peak,
         grad_norm=jnp.zeros((), jnp.float32) if with_norm else None,
         zero_fraction=jnp.zeros((), jnp.float32) if with_underflow else None,
         below_normal_fraction=jnp.zeros((), jnp.float32) if with_underflow else None,
@@ -295,7 +476,11 @@ def next_state(
 ) -> LossScaleState:
     """The state after one update: the rule moves the scale, the counters
     record what happened, the statistics of this step replace the last."""
-    counters = rule.adjust(ScaleCounters(state.scale, state.good_steps, state.overflow_budget), finite)
+    counters = rule.adjust(
+        ScaleCounters(state.scale, state.good_steps, state.overflow_budget, state.headroom, state.grad_peak),
+        finite,
+        stats.grad_max,
+    )
     skipped = jnp.logical_not(finite)
     nonfinite_leaves = state.nonfinite_leaves
     if nonfinite_leaves is not None:
@@ -314,6 +499,8 @@ def next_state(
         backoffs=state.backoffs + (counters.scale < state.scale).astype(jnp.int32),
         steps_at_min=state.steps_at_min + (state.scale <= rule.floor).astype(jnp.int32),
         grad_max=stats.grad_max,
+        headroom=counters.headroom,
+        grad_peak=counters.grad_peak,
         grad_norm=grad_norm,
         zero_fraction=None if stats.underflow is None else stats.underflow[0],
         below_normal_fraction=None if stats.underflow is None else stats.underflow[1],

@@ -1,4 +1,5 @@
-"""The loss-scaling optax transformations: ``dynamic``, ``static``, ``no_op``.
+"""The loss-scaling optax transformations: ``dynamic``, ``predictive``,
+``static``, ``no_op``.
 
 One update, in order:
 
@@ -24,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from loss_scale._state import DynamicRule, LossScaleState, Rule, StaticRule, init_state, next_state
+from loss_scale._state import DynamicRule, LossScaleState, PredictiveRule, Rule, StaticRule, init_state, next_state
 from loss_scale._tree import (
     GradStats,
     gradient_stats,
@@ -403,6 +404,108 @@ def dynamic(
         max_scale=max_scale,
         hysteresis=hysteresis,
         consecutive_hysteresis=consecutive_hysteresis,
+    )
+    options = Options(
+        max_grad_norm=max_grad_norm,
+        track_grad_norm=track_grad_norm,
+        locate_overflows=locate_overflows,
+        axis_name=axis_name,
+        max_consecutive_skips=max_consecutive_skips,
+        track_underflow=track_underflow,
+    )
+    return loss_scaled(inner, rule, options)
+
+
+def predictive(
+    inner: optax.GradientTransformation,
+    initial_scale: float = 2.0**15,
+    min_headroom: int = 1,
+    headroom_interval: int = 20000,
+    peak_half_life: float = 100.0,
+    min_scale: float = 1.0,
+    max_scale: float = 2.0**24,
+    initial_headroom: int = 12,
+    compute_dtype: Any = "float16",
+    *,
+    max_grad_norm: float | None = None,
+    track_grad_norm: bool = False,
+    locate_overflows: bool = False,
+    axis_name: Hashable | None = None,
+    max_consecutive_skips: int | None = None,
+    track_underflow: bool = False,
+) -> optax.GradientTransformationExtraArgs:
+    """Loss scaling that aims the scale at the recent gradient peak.
+
+    The update is ``dynamic``'s (unscale in float32, check, skip the whole
+    inner update on overflow); only the rule that moves the scale differs.
+    Where ``dynamic`` reacts (it halves after an overflow and doubles after
+    ``growth_interval`` clean steps), this rule predicts: from the largest
+    gradient magnitude of every step, which the finite check computes anyway,
+    it keeps a running peak (``grad_peak``, halving every ``peak_half_life``
+    steps) and sets the scale to the power of two that puts that peak
+    ``headroom`` binades below the largest float16 value. The scale follows
+    the gradients down and up within steps, so it backs off before a slow
+    rise of the gradients overflows and grows as soon as they shrink.
+
+    The headroom learns how much larger than the parameter gradients the
+    float16 values of the backward pass get. The first clean step measures
+    how far below the float16 maximum its gradients were (at most
+    ``initial_headroom`` counts); from there the scale climbs one binade a
+    clean step until the first overflow, which sets the headroom two binades
+    above what the scale had then (one skipped step), or until
+    ``min_headroom`` is reached. After that the headroom drops by one every
+    ``headroom_interval`` clean steps (a probe that may cost a skip; torch's
+    rule probes every 2000 steps). Overflows in a row back off by 2, 4, 16,
+    256, ...; an overflow before any clean step drops the scale to
+    ``min_scale``. Every rule of the update is in ``_state.PredictiveRule``.
+
+    Args:
+      inner: the optimizer to wrap.
+      initial_scale: the scale of the first step (as ``dynamic``'s).
+      min_headroom: the smallest margin, in powers of two, kept between the
+        predicted largest scaled value and the dtype's largest value.
+      headroom_interval: clean steps in a row after which the headroom drops
+        by one, >= 1.
+      peak_half_life: steps over which a past gradient peak counts half as
+        much, >= 1.
+      min_scale: floor of the scale, > 0.
+      max_scale: ceiling of the scale, may be ``inf``.
+      initial_headroom: the most headroom the first measurement keeps,
+        >= ``min_headroom``: an upper bound on how much larger than the
+        parameter gradients the backward pass's values may get.
+      compute_dtype: the dtype of the backward pass, whose largest value is
+        the overflow threshold (float16: 65504).
+      max_grad_norm, track_grad_norm, locate_overflows, axis_name,
+        max_consecutive_skips, track_underflow: as in ``dynamic``.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      ``LossScaleState`` with ``headroom`` and ``grad_peak``.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, loss_scale as ls
+      >>> tx = ls.predictive(optax.sgd(0.1))
+      >>> state = tx.init(jnp.zeros(2))
+      >>> for _ in range(3):  # gradients of loss * scale; the largest unscaled one is 2**-8
+      ...     _, state = tx.update(jnp.array([2.0**-8, 0.0]) * state.scale, state)
+      ...     print(float(state.scale), int(state.headroom))
+      32768.0 8
+      65536.0 7
+      131072.0 6
+    """
+    try:
+        threshold = float(jnp.finfo(jnp.dtype(compute_dtype)).max)
+    except (TypeError, ValueError):
+        raise TypeError(f"compute_dtype must be a floating dtype, got {compute_dtype!r}") from None
+    rule = PredictiveRule(
+        initial_scale=initial_scale,
+        initial_headroom=initial_headroom,
+        min_headroom=min_headroom,
+        headroom_interval=headroom_interval,
+        peak_half_life=peak_half_life,
+        min_scale=min_scale,
+        max_scale=max_scale,
+        overflow_threshold=min(threshold, float(jnp.finfo(jnp.float32).max)),
     )
     options = Options(
         max_grad_norm=max_grad_norm,

@@ -1,5 +1,6 @@
-"""The overhead benchmark's logic, on tiny models (its numbers mean nothing
-here; ``python benchmarks/overhead.py`` measures)."""
+"""The benchmarks' logic, on tiny models and few steps (their numbers mean
+nothing here; ``python benchmarks/overhead.py`` and
+``python benchmarks/predictive.py`` measure)."""
 
 import importlib.util
 import math
@@ -51,3 +52,22 @@ def test_speedup_reads_a_two_precision_run(tmp_path):
     assert row["model"] == "mlp" and row["f32_ms"] == f32["rows"][0]["step"]["median_ms"]
     for variant in speedup.VARIANTS:
         assert row[variant]["speedup"] == row["f32_ms"] / row[variant]["mixed_ms"] > 0
+
+
+def test_predictive_benchmark_quick_trains_every_rule():
+    spec = importlib.util.spec_from_file_location("predictive_bench", BENCH.with_name("predictive.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["predictive_bench"] = module
+    spec.loader.exec_module(module)
+    results = module.main(["--quick", "--workloads", "regression"])
+    [(name, workload)] = results["workloads"].items()
+    assert name == "raw-column regression" and workload["steps"] == 6
+    assert set(workload["runs"]) == {"float32", "torch rule", "ls.predictive"}
+    for run in workload["runs"].values():
+        assert len(run["scales"]) == 6 and math.isfinite(run["eval_loss"])
+        assert 0 <= run["skipped_steps"] <= 6
+    # torch's 2**16 overflows this model's float16 gradients at the start.
+    assert workload["runs"]["torch rule"]["skipped"][0]
+    assert workload["runs"]["ls.predictive"]["headroom"] is not None
+    table = module.format_table(results)
+    assert "raw-column regression" in table and "torch rule / ls.predictive" in table

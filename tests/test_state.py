@@ -32,9 +32,9 @@ def traced_trajectory(rule, overflows, init_scale=None):
 
     def step(c, overflow):
         c = rule.adjust(ScaleCounters(*c), jnp.logical_not(overflow))
-        return tuple(c), tuple(c)
+        return tuple(c)[:3], tuple(c)[:3]
 
-    _, out = jax.lax.scan(step, tuple(counters), jnp.asarray(overflows, bool))
+    _, out = jax.lax.scan(step, tuple(counters)[:3], jnp.asarray(overflows, bool))
     return out
 
 
