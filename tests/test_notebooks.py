@@ -26,8 +26,12 @@ def load_builder():
     return module
 
 
-def test_both_notebooks_are_there():
-    assert [p.name for p in NOTEBOOKS] == ["01_why_loss_scaling.ipynb", "02_train_with_flax.ipynb"]
+def test_every_notebook_is_there():
+    assert [p.name for p in NOTEBOOKS] == [
+        "01_why_loss_scaling.ipynb",
+        "02_train_with_flax.ipynb",
+        "03_diagnostics.ipynb",
+    ]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)

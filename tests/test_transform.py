@@ -46,15 +46,17 @@ def assert_trees_bitwise_equal(a, b):
 
 
 def assert_trees_close_to_leaf_rounding(actual, expected, name):
-    """Equal to one rounding of each leaf's dtype: float32 leaves to 1e-6, and
-    16-bit leaves to their own epsilon, since a compiled update (XLA:GPU
-    computes a fused bfloat16 expression in float32 and rounds once) and an
-    op-by-op one (rounds after every op) may differ in the last bit."""
+    """Equal to the rounding of each leaf's dtype: 16-bit leaves to their own
+    epsilon, since a compiled update (XLA:GPU computes a fused bfloat16
+    expression in float32 and rounds once) and an op-by-op one (rounds after
+    every op) may differ in the last bit; float32 leaves to 2e-5, since XLA:GPU
+    sums a global norm (clip_by_global_norm) in another order when compiled,
+    and Adam's moments carry that difference on (8e-6 seen on an H100)."""
     chex.assert_trees_all_equal_structs(actual, expected)
     for x, y in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
         assert x.dtype == y.dtype, name
         inexact = jnp.issubdtype(x.dtype, jnp.inexact)
-        rtol = float(jnp.finfo(x.dtype).eps) if inexact and jnp.finfo(x.dtype).bits < 32 else 1e-6
+        rtol = float(jnp.finfo(x.dtype).eps) if inexact and jnp.finfo(x.dtype).bits < 32 else 2e-5
         np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, err_msg=name)
 
 
