@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from loss_scale._types import PyTree
 
@@ -147,14 +148,16 @@ def gradient_stats(tree: PyTree, scale: jax.Array, with_norm: bool = False, with
     statistics add reductions over the same values (XLA can fuse them into
     one read, but that depends on the backend).
     """
-    flags, maxima, squares, zeros, tiny, count = [], [], [], [], [], 0
-    for x in jax.tree.leaves(tree):
+    leaves = jax.tree.leaves(tree)
+    # Each leaf's max|x|, grouped by dtype and unscaled one group at a time:
+    # one vector op per dtype rather than one scalar op (one GPU kernel) per leaf.
+    groups: dict[jnp.dtype, list[tuple[int, jax.Array]]] = {}
+    squares, zeros, tiny, count = [], [], [], 0
+    for i, x in enumerate(leaves):
         if not is_float_leaf(x):
-            flags.append(jnp.array(True))
             continue
-        unscaled_max = unscale_leaf(max_abs(x), scale)
-        flags.append(jnp.isfinite(unscaled_max))
-        maxima.append(jnp.real(unscaled_max).astype(jnp.float32))
+        peak = max_abs(x)
+        groups.setdefault(peak.dtype, []).append((i, peak))
         if with_norm:
             unscaled = unscale_leaf(x, scale).astype(compute_dtype(x.dtype))  # as the inner sees it
             squares.append(jnp.sum(jnp.real(unscaled * jnp.conj(unscaled))).astype(jnp.float32))
@@ -163,8 +166,22 @@ def gradient_stats(tree: PyTree, scale: jax.Array, with_norm: bool = False, with
             zeros.append(jnp.sum(magnitude == 0, dtype=jnp.int32))
             tiny.append(jnp.sum(magnitude < FLOAT16_TINY, dtype=jnp.int32))
             count += x.size
-    leaf_finite = jnp.stack(flags) if flags else jnp.zeros((0,), jnp.bool_)
-    grad_max = jnp.max(jnp.stack(maxima)) if maxima else jnp.zeros((), jnp.float32)
+    order, flags, maxima = [], [], []
+    for items in groups.values():
+        # The same unscale as the elements get (in at least float32, back to
+        # the leaf's dtype), so a maximum that overflows its dtype once
+        # unscaled is caught as the elements would be.
+        unscaled = unscale_leaf(jnp.stack([peak for _, peak in items]), scale)
+        order += [i for i, _ in items]
+        flags.append(jnp.isfinite(unscaled))
+        maxima.append(unscaled.astype(jnp.float32))
+    taken = set(order)
+    others = [i for i in range(len(leaves)) if i not in taken]  # non-floating leaves: finite
+    flags.append(jnp.ones((len(others),), jnp.bool_))
+    leaf_finite = jnp.concatenate(flags)
+    if order + others != list(range(len(leaves))):
+        leaf_finite = leaf_finite[np.argsort(order + others)]  # back to leaf order
+    grad_max = jnp.max(jnp.concatenate(maxima)) if maxima else jnp.zeros((), jnp.float32)
     sq_norm = (sum(squares) if squares else jnp.zeros((), jnp.float32)) if with_norm else None
     underflow = None
     if with_underflow:

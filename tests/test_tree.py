@@ -101,3 +101,21 @@ def test_float64_leaves_with_x64():
         assert out.dtype == jnp.float64
         np.testing.assert_array_equal(out, [2.5e299, 0.75])
         assert not bool(leaf_finite_flags([x], jnp.float32(2.0**-100))[0])
+
+
+def test_leaf_flags_keep_leaf_order_across_dtypes_and_integer_leaves():
+    # Maxima are unscaled one dtype group at a time; the flags and the maximum
+    # must still line up with jax.tree.leaves.
+    tree = [
+        jnp.ones(3),
+        jnp.arange(3),
+        jnp.array([1.0, jnp.inf], jnp.float16),
+        jnp.full((2,), 5.0),
+        jnp.array([jnp.nan], jnp.bfloat16),
+        jnp.array([7.0], jnp.bfloat16),
+    ]
+    stats = gradient_stats(tree, jnp.float32(2.0))
+    assert list(stats.leaf_finite) == [True, True, False, True, False, True]
+    clean = [tree[0], tree[1], jnp.array([1.0, 3.0], jnp.float16), tree[3], jnp.array([9.0], jnp.bfloat16)]
+    stats = gradient_stats(clean, jnp.float32(2.0))
+    assert list(stats.leaf_finite) == [True] * 5 and float(stats.grad_max) == 4.5
