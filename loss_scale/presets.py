@@ -166,8 +166,8 @@ def torch(
       inner: the optimizer to wrap.
       init_scale, growth_factor, backoff_factor, growth_interval, enabled:
         as ``torch.amp.GradScaler``, with its defaults.
-      max_grad_norm, track_grad_norm, locate_overflows, axis_name: as
-        ``loss_scale.dynamic``.
+      max_grad_norm, track_grad_norm, locate_overflows, axis_name,
+        max_consecutive_skips, track_underflow: as ``loss_scale.dynamic``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
@@ -235,8 +235,8 @@ def keras(
     Args:
       inner: the optimizer to wrap.
       initial_scale, dynamic_growth_steps: as Keras 3, with its defaults.
-      max_grad_norm, track_grad_norm, locate_overflows, axis_name: as
-        ``loss_scale.dynamic``.
+      max_grad_norm, track_grad_norm, locate_overflows, axis_name,
+        max_consecutive_skips, track_underflow: as ``loss_scale.dynamic``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
@@ -306,8 +306,8 @@ def tf_keras(
       inner: the optimizer to wrap.
       dynamic, initial_scale, dynamic_growth_steps: as tf-keras, with its
         defaults.
-      max_grad_norm, track_grad_norm, locate_overflows, axis_name: as
-        ``loss_scale.dynamic``.
+      max_grad_norm, track_grad_norm, locate_overflows, axis_name,
+        max_consecutive_skips, track_underflow: as ``loss_scale.dynamic``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
@@ -416,9 +416,9 @@ def deepspeed(
       initial_scale_power, loss_scale_window, hysteresis,
         consecutive_hysteresis, min_loss_scale, loss_scale: DeepSpeed's
         ``fp16`` keys, with its defaults.
-      max_grad_norm, track_grad_norm, locate_overflows, axis_name: as
-        ``loss_scale.dynamic`` (``max_grad_norm`` is DeepSpeed's
-        ``gradient_clipping``).
+      max_grad_norm, track_grad_norm, locate_overflows, axis_name,
+        max_consecutive_skips, track_underflow: as ``loss_scale.dynamic``
+        (``max_grad_norm`` is DeepSpeed's ``gradient_clipping``).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
@@ -505,9 +505,9 @@ def megatron(
       initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis,
         loss_scale: Megatron's ``OptimizerConfig`` fields, with its defaults
         (``loss_scale_window`` is typed float there; integral values only).
-      max_grad_norm, track_grad_norm, locate_overflows, axis_name: as
-        ``loss_scale.dynamic`` (``max_grad_norm`` is Megatron's
-        ``clip_grad``).
+      max_grad_norm, track_grad_norm, locate_overflows, axis_name,
+        max_consecutive_skips, track_underflow: as ``loss_scale.dynamic``
+        (``max_grad_norm`` is Megatron's ``clip_grad``).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
@@ -583,8 +583,8 @@ def apex(
       inner: the optimizer to wrap.
       init_scale, scale_window, min_loss_scale, max_loss_scale, loss_scale:
         as Apex, with its defaults.
-      max_grad_norm, track_grad_norm, locate_overflows, axis_name: as
-        ``loss_scale.dynamic``.
+      max_grad_norm, track_grad_norm, locate_overflows, axis_name,
+        max_consecutive_skips, track_underflow: as ``loss_scale.dynamic``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
@@ -667,9 +667,10 @@ def flax(
       inner: the optimizer to wrap.
       scale, growth_factor, backoff_factor, growth_interval, minimum_scale:
         as ``DynamicScale``, with its defaults.
-      max_grad_norm, track_grad_norm, locate_overflows, axis_name: as
-        ``loss_scale.dynamic`` (``axis_name`` agrees on the finite check;
-        average the gradients yourself, see ``loss_scale.value_and_grad``).
+      max_grad_norm, track_grad_norm, locate_overflows, axis_name,
+        max_consecutive_skips, track_underflow: as ``loss_scale.dynamic``
+        (``axis_name`` agrees on the finite check; average the gradients
+        yourself, see ``loss_scale.value_and_grad``).
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
@@ -737,8 +738,8 @@ def jmp(
       inner: the optimizer to wrap.
       loss_scale, period, factor, min_loss_scale: as ``DynamicLossScale``,
         with its defaults.
-      max_grad_norm, track_grad_norm, locate_overflows, axis_name: as
-        ``loss_scale.dynamic``.
+      max_grad_norm, track_grad_norm, locate_overflows, axis_name,
+        max_consecutive_skips, track_underflow: as ``loss_scale.dynamic``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
@@ -824,7 +825,8 @@ def cerebras(
       initial_loss_scale, steps_per_increase, min_loss_scale, max_loss_scale,
         overflow_tolerance, max_gradient_norm: as Cerebras, with its float16
         defaults.
-      track_grad_norm, locate_overflows, axis_name: as ``loss_scale.dynamic``.
+      track_grad_norm, locate_overflows, axis_name, max_consecutive_skips,
+        track_underflow: as ``loss_scale.dynamic``.
 
     Example:
       >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
