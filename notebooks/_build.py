@@ -840,7 +840,7 @@ is too low before it shows in the loss, if it ever does.
 ## 2. A run about to diverge
 
 Now an LR range test: SGD with momentum whose learning rate rises exponentially, from 0.05
-to 50 over the run, under `ls.dynamic(..., track_grad_norm=True)` (growth every 20 clean
+to about 20 over the 260 steps, under `ls.dynamic(..., track_grad_norm=True)` (growth every 20 clean
 steps, so that the scale can move within the run). Watch the four panels together.""",
     ),
     (
