@@ -2,20 +2,15 @@
 nothing here; ``python benchmarks/overhead.py`` and
 ``python benchmarks/predictive.py`` measure)."""
 
-import importlib.util
 import math
-import pathlib
-import sys
 
-BENCH = pathlib.Path(__file__).parents[1] / "benchmarks" / "overhead.py"
+from tests._scripts import ROOT, load_script
+
+BENCH = ROOT / "benchmarks"
 
 
-def load():
-    spec = importlib.util.spec_from_file_location("overhead", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["overhead"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+def load(name: str = "overhead"):
+    return load_script(BENCH / f"{name}.py", f"bench_{name}")
 
 
 def test_overhead_quick_runs_every_variant_and_checks_them():
@@ -44,9 +39,7 @@ def test_speedup_reads_a_two_precision_run(tmp_path):
     results = overhead.main(
         ["--quick", "--models", "mlp", "--precisions", "f32,mixed", "--rounds", "2", "--json", str(tmp_path / "r.json")]
     )
-    spec = importlib.util.spec_from_file_location("speedup", BENCH.with_name("speedup.py"))
-    speedup = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(speedup)
+    speedup = load("speedup")
     [row] = speedup.main([str(tmp_path / "r.json")])
     f32 = results["runs"][0]["tables"][0]
     assert row["model"] == "mlp" and row["f32_ms"] == f32["rows"][0]["step"]["median_ms"]
@@ -55,10 +48,7 @@ def test_speedup_reads_a_two_precision_run(tmp_path):
 
 
 def test_predictive_benchmark_quick_trains_every_rule():
-    spec = importlib.util.spec_from_file_location("predictive_bench", BENCH.with_name("predictive.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["predictive_bench"] = module
-    spec.loader.exec_module(module)
+    module = load("predictive")
     results = module.main(["--quick", "--workloads", "regression"])
     [(name, workload)] = results["workloads"].items()
     assert name == "raw-column regression" and workload["steps"] == 6

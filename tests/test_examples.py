@@ -1,28 +1,23 @@
 """Smoke runs of the examples with tiny step counts: they run, return their
 results, print their table and save their plot."""
 
-import importlib.util
 import math
 import pathlib
-import sys
 
 import pytest
+
+from tests._scripts import ROOT, load_script
 
 pytest.importorskip("flax")
 pytest.importorskip("tqdm")
 pytest.importorskip("matplotlib")
 
-EXAMPLES = pathlib.Path(__file__).parents[1] / "examples"
+EXAMPLES = ROOT / "examples"
 LABELS = ("float32", "bfloat16", "float16, no scaling", "float16 + ls.dynamic")
 
 
 def load(name: str):
-    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    # Registered before it runs: dataclasses (flax modules) look their module up.
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(EXAMPLES / f"{name}.py", f"example_{name}")
 
 
 def check(results: dict, steps: int, metrics: tuple[str, ...], out: str, plot: pathlib.Path, labels=LABELS) -> None:

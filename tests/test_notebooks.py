@@ -5,10 +5,11 @@ Each notebook is executed again with nbclient in a fresh ``python3`` kernel
 library that breaks a notebook fails here; any cell error fails the test.
 """
 
-import importlib.util
 import pathlib
 
 import pytest
+
+from tests._scripts import load_script
 
 nbformat = pytest.importorskip("nbformat")
 nbclient = pytest.importorskip("nbclient")
@@ -20,10 +21,7 @@ NOTEBOOKS = sorted(NOTEBOOK_DIR.glob("*.ipynb"))
 
 
 def load_builder():
-    spec = importlib.util.spec_from_file_location("notebooks_build", NOTEBOOK_DIR / "_build.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(NOTEBOOK_DIR / "_build.py", "notebooks_build")
 
 
 def test_every_notebook_is_there():

@@ -1,10 +1,7 @@
 """ls.predictive: the rule step by step, against a simulated float16 model, and
 in real float16 training."""
 
-import importlib.util
 import math
-import pathlib
-import sys
 
 import chex
 import jax
@@ -15,20 +12,10 @@ import pytest
 
 import loss_scale as ls
 from loss_scale._state import DynamicRule, PredictiveRule
-
-BENCH = pathlib.Path(__file__).parents[1] / "benchmarks" / "predictive.py"
-
-
-def load_benchmark():
-    spec = importlib.util.spec_from_file_location("predictive_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["predictive_bench"] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
-
+from tests._scripts import ROOT, load_script
 
 # The simulated float16 model of benchmarks/predictive.py.
-_bench = load_benchmark()
+_bench = load_script(ROOT / "benchmarks" / "predictive.py", "bench_predictive")
 F16_MAX, drifting_gradients, simulate = _bench.F16_MAX, _bench.drifting_gradients, _bench.simulate
 
 

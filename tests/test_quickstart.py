@@ -1,17 +1,10 @@
 """The main demo runs end to end on a tiny configuration."""
 
-import importlib.util
-import pathlib
-import sys
-
-QUICKSTART = pathlib.Path(__file__).parents[1] / "examples" / "quickstart.py"
+from tests._scripts import ROOT, load_script
 
 
 def test_quickstart_smoke():
-    spec = importlib.util.spec_from_file_location("quickstart", QUICKSTART)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["quickstart"] = module
-    spec.loader.exec_module(module)
+    module = load_script(ROOT / "examples" / "quickstart.py", "quickstart")
     result = module.main(["--steps", "3", "--vocab", "512", "--tokens", "64", "--no-progress"])
     runs = result["runs"]
     assert set(runs) == {"float32", "float16, no scaling", "float16 + ls.dynamic"}
