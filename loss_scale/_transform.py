@@ -107,6 +107,26 @@ class Options:
         return self.track_grad_norm or self.max_grad_norm is not None
 
 
+def keyword_options(
+    max_grad_norm: float | None,
+    track_grad_norm: bool,
+    locate_overflows: bool,
+    axis_name: Hashable | None,
+    max_consecutive_skips: int | None,
+    track_underflow: bool,
+) -> Options:
+    """The ``Options`` of the keyword arguments that every loss-scaling
+    transformation (and every preset) takes."""
+    return Options(
+        max_grad_norm=max_grad_norm,
+        track_grad_norm=track_grad_norm,
+        locate_overflows=locate_overflows,
+        axis_name=axis_name,
+        max_consecutive_skips=max_consecutive_skips,
+        track_underflow=track_underflow,
+    )
+
+
 def _agree(stats: GradStats, axis_name: Hashable | None) -> GradStats:
     """Makes every replica along ``axis_name`` see the same flags and maximum,
     so that all of them take the same branch and keep the same scale."""
@@ -405,13 +425,8 @@ def dynamic(
         hysteresis=hysteresis,
         consecutive_hysteresis=consecutive_hysteresis,
     )
-    options = Options(
-        max_grad_norm=max_grad_norm,
-        track_grad_norm=track_grad_norm,
-        locate_overflows=locate_overflows,
-        axis_name=axis_name,
-        max_consecutive_skips=max_consecutive_skips,
-        track_underflow=track_underflow,
+    options = keyword_options(
+        max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
     )
     return loss_scaled(inner, rule, options)
 
@@ -507,13 +522,8 @@ def predictive(
         max_scale=max_scale,
         overflow_threshold=min(threshold, float(jnp.finfo(jnp.float32).max)),
     )
-    options = Options(
-        max_grad_norm=max_grad_norm,
-        track_grad_norm=track_grad_norm,
-        locate_overflows=locate_overflows,
-        axis_name=axis_name,
-        max_consecutive_skips=max_consecutive_skips,
-        track_underflow=track_underflow,
+    options = keyword_options(
+        max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
     )
     return loss_scaled(inner, rule, options)
 
@@ -545,13 +555,8 @@ def static(
       >>> updates, bool(state.skipped)
       (Array([0., 0.], dtype=float32), True)
     """
-    options = Options(
-        max_grad_norm=max_grad_norm,
-        track_grad_norm=track_grad_norm,
-        locate_overflows=locate_overflows,
-        axis_name=axis_name,
-        max_consecutive_skips=max_consecutive_skips,
-        track_underflow=track_underflow,
+    options = keyword_options(
+        max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
     )
     return loss_scaled(inner, StaticRule(scale), options)
 

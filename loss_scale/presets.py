@@ -62,26 +62,13 @@ import optax
 
 from loss_scale._peer_rules import CerebrasRule
 from loss_scale._state import FLOAT32_TINY, DynamicRule, StaticRule
-from loss_scale._transform import Options, loss_scaled
+from loss_scale._transform import keyword_options, loss_scaled
 
 __all__ = ["apex", "cerebras", "deepspeed", "flax", "jmp", "keras", "megatron", "tf_keras", "torch"]
 
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 
 _Result = optax.GradientTransformationExtraArgs
-
-
-def _options(
-    max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
-) -> Options:
-    return Options(
-        max_grad_norm=max_grad_norm,
-        track_grad_norm=track_grad_norm,
-        locate_overflows=locate_overflows,
-        axis_name=axis_name,
-        max_consecutive_skips=max_consecutive_skips,
-        track_underflow=track_underflow,
-    )
 
 
 def _count(name: str, value: Any, minimum: int = 1, *, integral_float: bool = False) -> int:
@@ -181,7 +168,7 @@ def torch(
       8.0 True
       8.0 False
     """
-    options = _options(
+    options = keyword_options(
         max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
     )
     if not enabled:
@@ -261,7 +248,9 @@ def keras(
     return loss_scaled(
         inner,
         rule,
-        _options(max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow),
+        keyword_options(
+            max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
+        ),
     )
 
 
@@ -322,7 +311,7 @@ def tf_keras(
       1.0 False
       2.0 False
     """
-    options = _options(
+    options = keyword_options(
         max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
     )
     if not dynamic:
@@ -436,7 +425,7 @@ def deepspeed(
       8.0 False
       16.0 False
     """
-    options = _options(
+    options = keyword_options(
         max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
     )
     if loss_scale:
@@ -524,7 +513,7 @@ def megatron(
       4.0 False
       4.0 True
     """
-    options = _options(
+    options = keyword_options(
         max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
     )
     if loss_scale:
@@ -600,7 +589,7 @@ def apex(
       1.0 False
       1.0 False
     """
-    options = _options(
+    options = keyword_options(
         max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
     )
     if loss_scale != "dynamic":
@@ -696,7 +685,9 @@ def flax(
     return loss_scaled(
         inner,
         rule,
-        _options(max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow),
+        keyword_options(
+            max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
+        ),
     )
 
 
@@ -765,7 +756,9 @@ def jmp(
     return loss_scaled(
         inner,
         rule,
-        _options(max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow),
+        keyword_options(
+            max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
+        ),
     )
 
 
@@ -869,7 +862,7 @@ def cerebras(
         ]:
             message = re.sub(rf"\b{ours}\b", theirs, message)
         raise type(error)(message) from None
-    options = _options(
+    options = keyword_options(
         max_gradient_norm if max_gradient_norm else None,
         track_grad_norm,
         locate_overflows,
