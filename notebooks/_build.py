@@ -52,6 +52,25 @@ def stdlib_tokens(vocab_size, max_bytes=1_000_000):
     index = {p: i for i, p in enumerate(vocab)}
     return np.array([index.get(p, 0) for p in pieces], np.int32)'''
 
+# The next-token model of notebooks 02 and 03, with its data.
+NEXT_TOKEN = """\
+VOCAB, CONTEXT, BATCH = 2048, 3, 512
+tokens = stdlib_tokens(VOCAB, max_bytes=600_000)
+
+
+# Embeds the previous CONTEXT tokens and predicts the next one through a hidden layer.
+class NextToken(nnx.Module):
+    def __init__(self, dim=64, hidden=128, *, dtype, rngs):
+        kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.embed = nnx.Embed(VOCAB, dim, **kw)
+        self.hidden = nnx.Linear(CONTEXT * dim, hidden, **kw)
+        self.norm = nnx.LayerNorm(hidden, **kw)
+        self.head = nnx.Linear(hidden, VOCAB, **kw)
+
+    def __call__(self, context):
+        x = self.embed(context).reshape(context.shape[0], -1)
+        return self.head(nnx.gelu(self.norm(self.hidden(x))))"""
+
 WHY = [
     (
         "markdown",
@@ -618,23 +637,8 @@ default 2,000.""",
     ("code", STDLIB_TOKENS),
     (
         "code",
-        """\
-VOCAB, CONTEXT, BATCH = 2048, 3, 512
-tokens = stdlib_tokens(VOCAB, max_bytes=600_000)
-
-
-# Embeds the previous CONTEXT tokens and predicts the next one through a hidden layer.
-class NextToken(nnx.Module):
-    def __init__(self, dim=64, hidden=128, *, dtype, rngs):
-        kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-        self.embed = nnx.Embed(VOCAB, dim, **kw)
-        self.hidden = nnx.Linear(CONTEXT * dim, hidden, **kw)
-        self.norm = nnx.LayerNorm(hidden, **kw)
-        self.head = nnx.Linear(hidden, VOCAB, **kw)
-
-    def __call__(self, context):
-        x = self.embed(context).reshape(context.shape[0], -1)
-        return self.head(nnx.gelu(self.norm(self.hidden(x))))
+        NEXT_TOKEN
+        + """
 
 
 def train_nnx(policy_text, steps=150, scaled=True, **dynamic_kwargs):
@@ -733,25 +737,8 @@ import loss_scale.flax as lsf""",
     ("code", STDLIB_TOKENS),
     (
         "code",
-        """\
-VOCAB, CONTEXT, BATCH = 2048, 3, 512
-tokens = stdlib_tokens(VOCAB, max_bytes=600_000)
-
-
-class NextToken(nnx.Module):
-    \"\"\"The previous CONTEXT tokens -> embedding -> hidden layer -> logits over VOCAB;
-    float32 params, computing in `dtype`.\"\"\"
-
-    def __init__(self, dim=64, hidden=128, *, dtype, rngs):
-        kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
-        self.embed = nnx.Embed(VOCAB, dim, **kw)
-        self.hidden = nnx.Linear(CONTEXT * dim, hidden, **kw)
-        self.norm = nnx.LayerNorm(hidden, **kw)
-        self.head = nnx.Linear(hidden, VOCAB, **kw)
-
-    def __call__(self, context):
-        x = self.embed(context).reshape(context.shape[0], -1)
-        return self.head(nnx.gelu(self.norm(self.hidden(x))))
+        NEXT_TOKEN
+        + """
 
 
 def train(tx, steps):
