@@ -16,6 +16,7 @@ from loss_scale._precision import Policy, for_dtype
 from loss_scale._state import LossScaleState
 from loss_scale._transform import (
     Float16StateWarning,
+    LossScaleTransformation,
     SkippedStepsError,
     apply_gradients,
     dynamic,
@@ -30,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Float16StateWarning",
     "LossScaleState",
+    "LossScaleTransformation",
     "Policy",
     "SkippedStepsError",
     "all_finite",

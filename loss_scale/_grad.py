@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
 from loss_scale._state import LossScaleState
-from loss_scale._tree import compute_dtype, unscale_tree
-from loss_scale._types import PyTree
+from loss_scale._tree import compute_dtype, unscale_tree, varying_axes
+from loss_scale._types import AxisName, PyTree
 
 
 def _is_state(x: Any) -> bool:
@@ -100,9 +100,15 @@ def value_and_grad(
     has_aux: bool = False,
     allow_int: bool = False,
     *,
-    axis_name: Hashable | None = None,
+    axis_name: AxisName | None = None,
 ) -> Callable[..., tuple[Any, PyTree]]:
     """Like ``jax.value_and_grad``, differentiating ``fun(...) * scale``.
+
+    ``argnums``, ``has_aux`` and ``allow_int`` mean what they mean in
+    ``jax.value_and_grad`` (negative ``argnums`` count from the end of
+    ``fun``'s own arguments), and the same misuse raises the same error: a
+    loss that is not a real floating scalar, an aux output that is not a
+    ``(loss, aux)`` pair.
 
     Args:
       fun: the loss function; returns a scalar loss, or ``(loss, aux)`` with
@@ -110,8 +116,15 @@ def value_and_grad(
       argnums: which positional arguments of ``fun`` to differentiate.
       has_aux: whether ``fun`` returns auxiliary data.
       allow_int: as in ``jax.grad``: integer inputs get ``float0`` gradients.
-      axis_name: under ``shard_map`` or ``pmap``, average the gradients over
-        this axis (data parallelism). The returned value is the local one.
+      axis_name: under ``shard_map`` or ``pmap``, with ``fun`` returning the
+        loss of the local batch: the gradients become those of the mean of
+        the local losses over this axis (data parallelism), on every replica.
+        How they are averaged follows from the types: under ``shard_map`` with
+        ``check_vma=True`` (JAX's default) the gradient of a replicated input
+        is already summed over the axis by JAX, so the mean is taken of the
+        loss before differentiating; under ``pmap`` and ``check_vma=False``
+        the gradients are averaged with ``pmean``. The returned value is the
+        local one.
 
     Returns:
       A function ``(opt_state, *args, **kwargs) -> (value, grads)`` where
@@ -130,24 +143,77 @@ def value_and_grad(
       (9.0, 24.0)
     """
 
-    def scaled(scale, *args, **kwargs):
-        out = fun(*args, **kwargs)
-        loss = out[0] if has_aux else out
-        loss = jnp.asarray(loss)
-        scaled_loss = loss.astype(compute_dtype(loss.dtype)) * scale
-        return scaled_loss, out
-
-    shifted = (argnums + 1,) if isinstance(argnums, int) else tuple(a + 1 for a in argnums)
-    grad_fn = jax.grad(
-        scaled, argnums=shifted[0] if isinstance(argnums, int) else shifted, has_aux=True, allow_int=allow_int
-    )
-
     @functools.wraps(fun)
     def wrapped(opt_state: PyTree, *args, **kwargs):
         scale = jax.lax.stop_gradient(get_scale(opt_state))
-        grads, out = grad_fn(scale, *args, **kwargs)
-        if axis_name is not None:
+        typed = axis_name is not None and _typed(axis_name)
+
+        def scaled(*args, **kwargs):
+            out = fun(*args, **kwargs)
+            if has_aux:
+                if not (isinstance(out, tuple | list) and len(out) == 2):
+                    raise TypeError(
+                        "expected function with aux output to return a two-element tuple, "
+                        f"but got type {type(out)} with value {out!r}"
+                    )
+                loss, aux = out
+                out = (loss, aux)
+            else:
+                loss = out
+            target = _checked_loss(loss) * scale
+            if typed and _varies(target, axis_name):
+                target = jax.lax.pmean(target, axis_name)
+            return target, out
+
+        grad_fn = jax.grad(scaled, argnums=argnums, has_aux=True, allow_int=allow_int)
+        grads, out = grad_fn(*args, **kwargs)
+        if axis_name is not None and not typed:
             grads = jax.lax.pmean(grads, axis_name)
         return out, grads
 
     return wrapped
+
+
+def _checked_loss(loss: Any) -> jax.Array:
+    """``loss`` in at least float32, after ``jax.grad``'s own checks (a
+    scalar of a real floating dtype), with its messages: the cast to float32
+    would otherwise turn an integer loss into zero gradients."""
+    if loss is None:
+        raise TypeError("Gradient only defined for scalar-output functions. Output was None.")
+    loss = jnp.asarray(loss)
+    if loss.shape != ():
+        raise TypeError(f"Gradient only defined for scalar-output functions. Output had shape: {loss.shape}.")
+    if not jnp.issubdtype(loss.dtype, jnp.floating):
+        hint = (
+            "For holomorphic differentiation, pass holomorphic=True. For differentiation of non-holomorphic "
+            "functions involving complex outputs, use jax.vjp directly."
+            if jnp.issubdtype(loss.dtype, jnp.complexfloating)
+            else "For differentiation of functions with integer outputs, use jax.vjp directly."
+        )
+        raise TypeError(
+            "grad requires real-valued outputs (output dtype that is a sub-dtype of np.floating), "
+            f"but got {loss.dtype.name}. {hint}"
+        )
+    return loss.astype(compute_dtype(loss.dtype))
+
+
+def _names(axis_name: AxisName) -> set:
+    return set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
+
+
+def _typed(axis_name: AxisName) -> bool:
+    """Whether JAX types values as varying or invariant along ``axis_name``
+    (``shard_map`` with ``check_vma=True``, JAX's default), and so
+    differentiates a varying loss with respect to an invariant (replicated)
+    input by summing over the axis: a ``pmean`` of such a gradient changes
+    nothing. There the loss is averaged before differentiating, and the
+    gradients of the mean come out of JAX's own transpose, for replicated
+    and sharded inputs alike; a loss that is invariant already (averaged by
+    the user) needs nothing. Without that typing (``pmap``,
+    ``check_vma=False``) even ``axis_index`` is not varying, and the
+    gradients, which are then local, are averaged with ``pmean``."""
+    return _names(axis_name) <= varying_axes(jax.typeof(jax.lax.axis_index(axis_name)))
+
+
+def _varies(x: jax.Array, axis_name: AxisName) -> bool:
+    return bool(_names(axis_name) & varying_axes(jax.typeof(x)))

@@ -9,7 +9,6 @@ construction, and kept out of the state (only arrays travel through ``jit``,
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import NamedTuple
 
 import jax
@@ -47,7 +46,7 @@ class LossScaleState(NamedTuple):
       steps_at_min: int32, steps taken with the scale at ``min_scale``
         (many of them, with skips, mean the gradients overflow at any scale).
       grad_max: float32, the largest unscaled gradient magnitude of the last
-        step (inf or nan when it overflowed).
+        step (inf when it overflowed).
       headroom: int32, with ``loss_scale.predictive`` only (``None``
         otherwise): the margin, in powers of two, that the scale keeps between
         the recent peak of the scaled gradients and float16's largest value;
@@ -69,6 +68,14 @@ class LossScaleState(NamedTuple):
         most recent skipped step, when ``locate_overflows=True``; ``None``
         (an empty subtree) otherwise. ``loss_scale.overflow_paths`` names them.
       inner_state: the wrapped optimizer's state; unchanged on skipped steps.
+
+    Attributes that the state does not have are looked up on ``inner_state``,
+    so that code written for the wrapped optimizer's state keeps working
+    through the wrapper: ``opt_state.hyperparams`` of an
+    ``optax.inject_hyperparams`` optimizer (to read or set a learning rate),
+    ``optax.contrib.schedule_free_eval_params(opt_state, params)``. Where the
+    inner state does not have it either (an ``optax.chain`` state is a tuple),
+    the error says how to reach it.
     """
 
     scale: jax.Array
@@ -89,6 +96,22 @@ class LossScaleState(NamedTuple):
     nonfinite_leaves: jax.Array | None
     inner_state: optax.OptState
 
+    def __getattr__(self, name: str):
+        # Only called when normal lookup fails. Private and special names are
+        # never forwarded (copy, pickle and pytree machinery probe them).
+        if name.startswith("_"):
+            raise AttributeError(f"'LossScaleState' object has no attribute {name!r}")
+        inner = self.inner_state
+        try:
+            return getattr(inner, name)
+        except AttributeError:
+            raise AttributeError(
+                f"'LossScaleState' object has no attribute {name!r}, nor has its inner_state (a "
+                f"{type(inner).__name__}). Reach the wrapped optimizer's state with "
+                f"loss_scale.find_state(opt_state).inner_state; set a hyperparameter anywhere in the state with "
+                f"optax.tree_utils.tree_set(opt_state, {name}=...)."
+            ) from None
+
 
 class ScaleCounters(NamedTuple):
     """The part of the state that a scale rule reads and writes; the last two
@@ -99,24 +122,6 @@ class ScaleCounters(NamedTuple):
     overflow_budget: jax.Array
     headroom: jax.Array | None = None
     grad_peak: jax.Array | None = None
-
-
-def _check_positive_finite(name: str, value: float) -> float:
-    try:
-        value = float(value)
-    except (TypeError, ValueError):
-        raise TypeError(f"{name} must be a real number, got {value!r}") from None
-    if not math.isfinite(value) or value <= 0:
-        raise ValueError(f"{name} must be finite and > 0, got {value!r}")
-    return value
-
-
-def _check_int(name: str, value: int, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | jnp.integer):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
-    return int(value)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,45 +159,6 @@ class DynamicRule:
     # overflow (DeepSpeed since 0.17.1 needs one): good_steps restarts at
     # -growth_delay there, and at 0 after a growth.
     growth_delay: int = 0
-
-    def __post_init__(self):
-        initial = _check_positive_finite("initial_scale", self.initial_scale)
-        minimum = _check_positive_finite("min_scale", self.min_scale)
-        try:
-            maximum = float(self.max_scale)
-        except (TypeError, ValueError):
-            raise TypeError(f"max_scale must be a real number, got {self.max_scale!r}") from None
-        if math.isnan(maximum) or maximum <= 0:
-            raise ValueError(f"max_scale must be > 0 (inf allowed), got {self.max_scale!r}")
-        if minimum > maximum:
-            raise ValueError(f"min_scale ({self.min_scale!r}) must be <= max_scale ({self.max_scale!r})")
-        if not minimum <= initial <= maximum:
-            raise ValueError(
-                f"initial_scale must lie in [min_scale, max_scale] = "
-                f"[{self.min_scale!r}, {self.max_scale!r}], got {self.initial_scale!r}"
-            )
-        growth = _check_positive_finite("growth_factor", self.growth_factor)
-        if growth <= 1:
-            raise ValueError(f"growth_factor must be > 1, got {self.growth_factor!r}")
-        backoff = _check_positive_finite("backoff_factor", self.backoff_factor)
-        if backoff >= 1:
-            raise ValueError(f"backoff_factor must be in (0, 1), got {self.backoff_factor!r}")
-        _check_int("growth_interval", self.growth_interval, 1)
-        _check_int("hysteresis", self.hysteresis, 1)
-        _check_int("growth_delay", self.growth_delay, 0)
-        if not isinstance(self.consecutive_hysteresis, bool):
-            raise TypeError(f"consecutive_hysteresis must be a bool, got {self.consecutive_hysteresis!r}")
-        float32_max = float(np.finfo(np.float32).max)
-        if initial > float32_max or minimum > float32_max:
-            raise ValueError(
-                f"initial_scale and min_scale must be at most float32's largest value ({float32_max:g}), "
-                f"got {self.initial_scale!r} and {self.min_scale!r}"
-            )
-        if float(np.float32(initial)) < FLOAT32_TINY or float(np.float32(minimum)) < FLOAT32_TINY:
-            raise ValueError(
-                f"initial_scale and min_scale must be at least float32's smallest normal "
-                f"({FLOAT32_TINY}), got {self.initial_scale!r} and {self.min_scale!r}"
-            )
 
     @property
     def floor(self) -> float:
@@ -240,9 +206,6 @@ class StaticRule:
     """A fixed scale. Counters still track clean steps for diagnostics."""
 
     scale: float = 1.0
-
-    def __post_init__(self):
-        _check_positive_finite("scale", self.scale)
 
     # A fixed scale has no floor to get stuck at.
     floor = 0.0
@@ -328,25 +291,6 @@ class PredictiveRule:
     min_scale: float = 1.0
     max_scale: float = 2.0**24
     overflow_threshold: float = 65504.0
-
-    def __post_init__(self):
-        DynamicRule(initial_scale=self.initial_scale, min_scale=self.min_scale, max_scale=self.max_scale)
-        for name in ("initial_headroom", "min_headroom"):
-            value = getattr(self, name)
-            _check_int(name, value, -64)
-            if value > 64:
-                raise ValueError(f"{name} must be in [-64, 64], got {value!r}")
-        if self.initial_headroom < self.min_headroom:
-            raise ValueError(
-                f"initial_headroom ({self.initial_headroom!r}) must be >= min_headroom ({self.min_headroom!r})"
-            )
-        _check_int("headroom_interval", self.headroom_interval, 1)
-        half_life = _check_positive_finite("peak_half_life", self.peak_half_life)
-        if half_life < 1:
-            raise ValueError(f"peak_half_life must be >= 1 step, got {self.peak_half_life!r}")
-        threshold = _check_positive_finite("overflow_threshold", self.overflow_threshold)
-        if threshold > float(np.finfo(np.float32).max):
-            raise ValueError(f"overflow_threshold must be a finite float32, got {self.overflow_threshold!r}")
 
     @property
     def floor(self) -> float:

@@ -3,8 +3,9 @@
 
 One update, in order:
 
-1. check: one ``max|g|`` reduction per gradient leaf decides whether every
-   gradient is finite once divided by the scale (``_tree.leaf_finite_flags``);
+1. check: one reduction per gradient leaf (``all(isfinite(g))`` and
+   ``max|g|`` in one read) decides whether every gradient is finite once
+   divided by the scale (``_tree.gradient_stats``);
 2. one ``jax.lax.cond`` on that scalar: the taken branch unscales the
    gradients and runs the inner update (so XLA fuses the division into the
    inner optimizer's elementwise pass); the skip branch returns zero updates
@@ -17,14 +18,15 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-import weakref
 from collections.abc import Hashable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
+from loss_scale import _validate as validate
 from loss_scale._state import DynamicRule, LossScaleState, PredictiveRule, Rule, StaticRule, init_state, next_state
 from loss_scale._tree import (
     GradStats,
@@ -37,8 +39,37 @@ from loss_scale._tree import (
 from loss_scale._types import PyTree
 
 
+class LossScaleTransformation(optax.GradientTransformationExtraArgs):
+    """The optax transformation that ``dynamic``, ``predictive``, ``static``,
+    ``no_op`` and the presets return.
+
+    An ``optax.GradientTransformationExtraArgs`` (a NamedTuple of ``init`` and
+    ``update``, accepted wherever optax takes a transformation) that also
+    carries its fused step, ``apply_gradients``: ``update`` and
+    ``optax.apply_updates`` in one, with the addition to the params inside
+    the taken branch. ``loss_scale.apply_gradients`` calls it.
+    """
+
+    def __new__(cls, init, update, apply_gradients):
+        tx = super().__new__(cls, init, update)
+        object.__setattr__(tx, "_apply_gradients", apply_gradients)
+        return tx
+
+    def apply_gradients(
+        self, grads: optax.Updates, state: optax.OptState, params: optax.Params, **extra_args: Any
+    ) -> tuple[optax.Params, optax.OptState]:
+        """``(new_params, new_state)``: ``update`` and ``optax.apply_updates``,
+        fused (see ``loss_scale.apply_gradients``)."""
+        return self._apply_gradients(grads, state, params, **extra_args)
+
+
 def as_transformation(inner: Any) -> optax.GradientTransformationExtraArgs:
     """Validates ``inner`` and returns it with extra-args support."""
+    if isinstance(inner, LossScaleTransformation):
+        raise ValueError(
+            "inner is already a loss-scaling transformation: nested, the outer scale would multiply the loss "
+            "while both divide the gradients. Wrap the optimizer once, e.g. ls.dynamic(optax.adam(1e-3))."
+        )
     if isinstance(inner, optax.GradientTransformation):
         return optax.with_extra_args_support(inner)
     init, update = getattr(inner, "init", None), getattr(inner, "update", None)
@@ -53,22 +84,58 @@ def as_transformation(inner: Any) -> optax.GradientTransformationExtraArgs:
     )
 
 
-def _check_state_types(before: PyTree, after: PyTree) -> None:
-    """The skip branch returns the inner state as it was, so the inner update
-    must keep every state leaf's shape and dtype."""
-    paths_before = jax.tree_util.tree_flatten_with_path(before)
+def _skipped_inner_state(before: PyTree, after: PyTree) -> PyTree:
+    """The inner state a skipped step returns: ``before``, typed as the inner
+    update's result ``after`` (``ShapeDtypeStruct`` leaves) so that both
+    branches of the ``lax.cond`` agree.
+
+    An inner update may widen a state leaf: ``optax.adam`` initialises its
+    moments in the params' dtype and promotes them when the gradients are
+    wider (bfloat16 params, float32 gradients). The skipped step returns the
+    old values in the wider dtype, which is exact. A change that would lose
+    values (a narrowing, a shape or structure change) raises a TypeError.
+    """
+    paths_before, treedef_before = jax.tree_util.tree_flatten_with_path(before)
     leaves_after, treedef_after = jax.tree.flatten(after)
-    if paths_before[1] != treedef_after:
+    if treedef_before != treedef_after:
         raise TypeError(
             "the inner optimizer's update changes the structure of its state "
-            f"({paths_before[1]} -> {treedef_after}); a skipped step could not return it unchanged"
+            f"({treedef_before} -> {treedef_after}); a skipped step could not return it unchanged"
         )
-    for (path, old), new in zip(paths_before[0], leaves_after, strict=True):
-        if getattr(old, "shape", None) != new.shape or getattr(old, "dtype", None) != new.dtype:
+    kept = []
+    for (path, old), new in zip(paths_before, leaves_after, strict=True):
+        old_dtype, old_shape = getattr(old, "dtype", None), getattr(old, "shape", None)
+        exact = old_dtype is not None and np.can_cast(old_dtype, new.dtype, casting="safe")
+        if old_shape != new.shape or not exact:
             raise TypeError(
                 f"the inner optimizer's update changes state leaf {jax.tree_util.keystr(path)} from "
-                f"{getattr(old, 'dtype', type(old))}{getattr(old, 'shape', '')} to {new.dtype}{new.shape}; "
-                "initialise it with the dtype it will keep (for example, pass params of that dtype to init)"
+                f"{old_dtype or type(old)}{old_shape or ''} to {new.dtype}{new.shape}; a skipped step could "
+                "not return it unchanged in the new type. Initialise it with the dtype it will keep (for "
+                "example, pass params of that dtype to init)"
+            )
+        kept.append(match_varying(jnp.asarray(old).astype(new.dtype), new))
+    return jax.tree.unflatten(treedef_after, kept)
+
+
+def _check_layout(state: LossScaleState, expected: LossScaleState) -> None:
+    """A clear error for a state made by a transformation with other settings
+    (a checkpoint restored into a differently configured optimizer), instead
+    of a failure deep inside the update."""
+    for field in LossScaleState._fields:
+        if field == "inner_state":
+            continue
+        have, want = getattr(state, field), getattr(expected, field)
+        mismatch = (have is None) != (want is None)
+        if want is not None and have is not None and field != "nonfinite_leaves":
+            mismatch = jnp.shape(have) != want.shape
+        if mismatch:
+            described = "absent" if have is None else f"of shape {jnp.shape(have)}"
+            raise ValueError(
+                f"the state's field {field!r} is {described}, but this transformation "
+                f"{'keeps none' if want is None else f'keeps one of shape {want.shape}'}: the state was made "
+                "by a transformation built with other settings (a checkpoint restored into a differently "
+                "configured optimizer?). Build the optimizer as it was when the state was saved, or start "
+                "from tx.init(params) and carry over inner_state (ls.wrap_opt_state)."
             )
 
 
@@ -85,22 +152,16 @@ class Options:
     track_underflow: bool = False
 
     def __post_init__(self):
-        if self.max_grad_norm is not None:
-            try:
-                norm = float(self.max_grad_norm)
-            except (TypeError, ValueError):
-                raise TypeError(f"max_grad_norm must be a real number or None, got {self.max_grad_norm!r}") from None
-            if not math.isfinite(norm) or norm <= 0:
-                raise ValueError(f"max_grad_norm must be finite and > 0, got {self.max_grad_norm!r}")
-        for name in ("track_grad_norm", "locate_overflows", "track_underflow"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-        limit = self.max_consecutive_skips
-        if limit is not None:
-            if isinstance(limit, bool) or not isinstance(limit, int):
-                raise TypeError(f"max_consecutive_skips must be an int or None, got {limit!r}")
-            if limit < 1:
-                raise ValueError(f"max_consecutive_skips must be >= 1, got {limit!r}")
+        for field, check in [
+            ("check_finite", validate.flag),
+            ("max_grad_norm", lambda name, value: validate.optional(validate.positive, name, value)),
+            ("track_grad_norm", validate.flag),
+            ("locate_overflows", validate.flag),
+            ("axis_name", validate.axis_name),
+            ("max_consecutive_skips", lambda name, value: validate.optional(validate.count, name, value)),
+            ("track_underflow", validate.flag),
+        ]:
+            object.__setattr__(self, field, check(field, getattr(self, field)))
 
     @property
     def with_norm(self) -> bool:
@@ -127,23 +188,26 @@ def keyword_options(
     )
 
 
-def _agree(stats: GradStats, axis_name: Hashable | None) -> GradStats:
-    """Makes every replica along ``axis_name`` see the same flags and maximum,
-    so that all of them take the same branch and keep the same scale."""
-    if axis_name is None:
-        return stats
-    leaf_finite = jax.lax.pmin(stats.leaf_finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
-    # max is NaN-propagating, so a NaN on any replica reaches every replica.
-    grad_max = jax.lax.pmax(stats.grad_max, axis_name)
-    return stats._replace(leaf_finite=leaf_finite, grad_max=grad_max)
-
-
-def loss_scaled(inner: Any, rule: Rule, options: Options) -> optax.GradientTransformationExtraArgs:
+def loss_scaled(inner: Any, rule: Rule, options: Options) -> LossScaleTransformation:
     """The transformation behind ``dynamic``, ``static`` and ``no_op``."""
     inner = as_transformation(inner)
 
+    # The state's fields as init makes them, shapes only (one leaf stands in
+    # for the gradients' leaf count, which _check_layout does not compare).
+    init_layout = jax.eval_shape(
+        lambda: init_state(
+            rule, None, 1 if options.locate_overflows else None, options.with_norm, options.track_underflow
+        )
+    )
+
     def init_fn(params: optax.Params) -> LossScaleState:
         inner_state = inner.init(params)
+        if any(isinstance(x, LossScaleState) for x in jax.tree.leaves(inner_state, is_leaf=_is_state)):
+            raise ValueError(
+                "the wrapped optimizer's state holds a LossScaleState: a loss-scaling transformation is nested "
+                "inside another (e.g. in an optax.chain), so the gradients would be divided by both scales. "
+                "Wrap the whole optimizer once."
+            )
         _warn_about_float16_state(inner_state)
         num_leaves = len(jax.tree.leaves(params)) if options.locate_overflows else None
         return init_state(
@@ -158,12 +222,12 @@ def loss_scaled(inner: Any, rule: Rule, options: Options) -> optax.GradientTrans
                 f"state must be the LossScaleState made by this transformation's init, got {type(state).__name__}"
             )
         scale = state.scale
-        if options.locate_overflows and (
-            state.nonfinite_leaves is None or len(jax.tree.leaves(grads)) != state.nonfinite_leaves.shape[0]
-        ):
+        _check_layout(state, init_layout)
+        num_leaves = len(jax.tree.leaves(grads))
+        if options.locate_overflows and num_leaves != state.nonfinite_leaves.shape[0]:
             raise ValueError(
-                f"locate_overflows: the gradients have {len(jax.tree.leaves(grads))} leaves but init saw "
-                f"{getattr(state.nonfinite_leaves, 'shape', (0,))[0]} (init with a tree of the gradients' structure)"
+                f"locate_overflows: the gradients have {num_leaves} leaves but init saw "
+                f"{state.nonfinite_leaves.shape[0]} (init with a tree of the gradients' structure)"
             )
 
         def inner_step(grads, inner_state, params):
@@ -177,8 +241,7 @@ def loss_scaled(inner: Any, rule: Rule, options: Options) -> optax.GradientTrans
             stats = GradStats(jnp.ones((0,), jnp.bool_), jnp.full((), jnp.nan, jnp.float32), None)
             return out, next_state(rule, state, stats, jnp.array(True), inner_state)
 
-        stats = gradient_stats(grads, scale, with_norm=options.with_norm, with_underflow=options.track_underflow)
-        stats = _agree(stats, options.axis_name)
+        stats = gradient_stats(grads, scale, options.with_norm, options.track_underflow, options.axis_name)
         finite = jnp.all(stats.leaf_finite)
         clip_factor = None
         if options.max_grad_norm is not None:
@@ -191,11 +254,11 @@ def loss_scaled(inner: Any, rule: Rule, options: Options) -> optax.GradientTrans
             return inner_step(unscale_and_clip_tree(grads, scale, clip_factor), inner_state, params)
 
         out_shapes = jax.eval_shape(apply, grads, state.inner_state, params)
-        _check_state_types(state.inner_state, out_shapes[1])
+        _skipped_inner_state(state.inner_state, out_shapes[1])  # raises here, outside the cond, if it must
 
         def skip(grads, inner_state, params):
             del grads
-            inner_state = jax.tree.map(match_varying, inner_state, out_shapes[1])
+            inner_state = _skipped_inner_state(inner_state, out_shapes[1])
             if apply_to_params:
                 # The params as they were: nothing is written, nothing is added.
                 return jax.tree.map(match_varying, params, out_shapes[0]), inner_state
@@ -218,13 +281,11 @@ def loss_scaled(inner: Any, rule: Rule, options: Options) -> optax.GradientTrans
     def apply_gradients_fn(grads, state, params, **extra_args):
         return step(grads, state, params, extra_args, apply_to_params=True)
 
-    _FUSED_STEPS[update_fn] = apply_gradients_fn
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+    return LossScaleTransformation(init_fn, update_fn, apply_gradients_fn)
 
 
-# update function of a loss-scaling transformation -> its fused step, so that
-# apply_gradients can find it from the optax transformation alone.
-_FUSED_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+def _is_state(x: Any) -> bool:
+    return isinstance(x, LossScaleState)
 
 
 def apply_gradients(
@@ -266,9 +327,8 @@ def apply_gradients(
       >>> params["w"]
       Array([0.5, 0. ], dtype=float32)
     """
-    fused = _FUSED_STEPS.get(tx.update)
-    if fused is not None:
-        return fused(grads, opt_state, params, **extra_args)
+    if isinstance(tx, LossScaleTransformation):
+        return tx.apply_gradients(grads, opt_state, params, **extra_args)
     updates, opt_state = tx.update(grads, opt_state, params, **extra_args)
     return optax.apply_updates(params, updates), opt_state
 
@@ -306,10 +366,19 @@ class SkippedStepsError(FloatingPointError):
 
 def _raise_when_stuck(state: LossScaleState, stats: GradStats, grads: PyTree, limit: int) -> None:
     """A host callback, run only on the step where the limit is reached, that
-    raises with the scale and the names of the non-finite gradient leaves."""
-    paths = [jax.tree_util.keystr(path) for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0]]
+    raises with the scale and the names of the non-finite gradient leaves.
+
+    The callback checks the count itself: under ``vmap`` the ``lax.cond``
+    that guards it becomes a select, and the callback runs on every step
+    (once per batch element)."""
+    paths = [
+        jax.tree_util.keystr(path) or "(the gradient array itself)"
+        for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0]
+    ]
 
     def report(skips, scale, leaf_finite):
+        if int(skips) != limit:
+            return
         bad = [path for path, ok in zip(paths, leaf_finite, strict=True) if not ok]
         raise SkippedStepsError(
             f"loss_scale: {int(skips)} consecutive steps skipped (max_consecutive_skips={limit}); the scale is "
@@ -341,7 +410,7 @@ def dynamic(
     axis_name: Hashable | None = None,
     max_consecutive_skips: int | None = None,
     track_underflow: bool = False,
-) -> optax.GradientTransformationExtraArgs:
+) -> LossScaleTransformation:
     """Dynamic loss scaling around any optax optimizer.
 
     ``update`` expects the gradients of ``loss * scale`` (see
@@ -415,15 +484,19 @@ def dynamic(
       >>> params["w"]
       Array([0.8, 0.8, 0.8], dtype=float32)
     """
+    initial = validate.scale("initial_scale", initial_scale)
+    minimum = validate.scale("min_scale", min_scale)
+    maximum = validate.scale("max_scale", max_scale, allow_inf=True)
+    validate.scale_bounds(("initial_scale", initial), ("min_scale", minimum), ("max_scale", maximum))
     rule = DynamicRule(
-        initial_scale=initial_scale,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=growth_interval,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        hysteresis=hysteresis,
-        consecutive_hysteresis=consecutive_hysteresis,
+        initial_scale=initial,
+        growth_factor=validate.growth_factor("growth_factor", growth_factor),
+        backoff_factor=validate.backoff_factor("backoff_factor", backoff_factor),
+        growth_interval=validate.count("growth_interval", growth_interval),
+        min_scale=minimum,
+        max_scale=maximum,
+        hysteresis=validate.count("hysteresis", hysteresis),
+        consecutive_hysteresis=validate.flag("consecutive_hysteresis", consecutive_hysteresis),
     )
     options = keyword_options(
         max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
@@ -448,7 +521,7 @@ def predictive(
     axis_name: Hashable | None = None,
     max_consecutive_skips: int | None = None,
     track_underflow: bool = False,
-) -> optax.GradientTransformationExtraArgs:
+) -> LossScaleTransformation:
     """Loss scaling that aims the scale at the recent gradient peak.
 
     The update is ``dynamic``'s (unscale in float32, check, skip the whole
@@ -508,19 +581,27 @@ def predictive(
       65536.0 7
       131072.0 6
     """
-    try:
-        threshold = float(jnp.finfo(jnp.dtype(compute_dtype)).max)
-    except (TypeError, ValueError):
-        raise TypeError(f"compute_dtype must be a floating dtype, got {compute_dtype!r}") from None
+    initial = validate.scale("initial_scale", initial_scale)
+    minimum = validate.scale("min_scale", min_scale)
+    maximum = validate.scale("max_scale", max_scale, allow_inf=True)
+    validate.scale_bounds(("initial_scale", initial), ("min_scale", minimum), ("max_scale", maximum))
+    lowest = validate.count("min_headroom", min_headroom, -64, 64)
+    first = validate.count("initial_headroom", initial_headroom, -64, 64)
+    if first < lowest:
+        raise ValueError(f"initial_headroom ({initial_headroom!r}) must be >= min_headroom ({min_headroom!r})")
+    half_life = validate.real("peak_half_life", peak_half_life)
+    if not 1 <= half_life < math.inf:
+        raise ValueError(f"peak_half_life must be finite and >= 1 step, got {peak_half_life!r}")
+    dtype = validate.floating_dtype("compute_dtype", compute_dtype)
     rule = PredictiveRule(
-        initial_scale=initial_scale,
-        initial_headroom=initial_headroom,
-        min_headroom=min_headroom,
-        headroom_interval=headroom_interval,
-        peak_half_life=peak_half_life,
-        min_scale=min_scale,
-        max_scale=max_scale,
-        overflow_threshold=min(threshold, float(jnp.finfo(jnp.float32).max)),
+        initial_scale=initial,
+        initial_headroom=first,
+        min_headroom=lowest,
+        headroom_interval=validate.count("headroom_interval", headroom_interval),
+        peak_half_life=half_life,
+        min_scale=minimum,
+        max_scale=maximum,
+        overflow_threshold=min(float(jnp.finfo(dtype).max), validate.FLOAT32_MAX),
     )
     options = keyword_options(
         max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
@@ -538,7 +619,7 @@ def static(
     axis_name: Hashable | None = None,
     max_consecutive_skips: int | None = None,
     track_underflow: bool = False,
-) -> optax.GradientTransformationExtraArgs:
+) -> LossScaleTransformation:
     """A fixed loss scale around ``inner``; non-finite steps are still skipped.
 
     Args:
@@ -558,10 +639,10 @@ def static(
     options = keyword_options(
         max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
     )
-    return loss_scaled(inner, StaticRule(scale), options)
+    return loss_scaled(inner, StaticRule(validate.scale("scale", scale)), options)
 
 
-def no_op(inner: optax.GradientTransformation, skip_nonfinite: bool = False) -> optax.GradientTransformationExtraArgs:
+def no_op(inner: optax.GradientTransformation, skip_nonfinite: bool = False) -> LossScaleTransformation:
     """No loss scaling (scale 1), with the same state as ``dynamic``.
 
     For bfloat16 and float32 training, so that switching precision does not
@@ -579,6 +660,5 @@ def no_op(inner: optax.GradientTransformation, skip_nonfinite: bool = False) -> 
       >>> float(ls.get_scale(tx.init(jnp.zeros(2))))
       1.0
     """
-    if not isinstance(skip_nonfinite, bool):
-        raise TypeError(f"skip_nonfinite must be a bool, got {skip_nonfinite!r}")
+    skip_nonfinite = validate.flag("skip_nonfinite", skip_nonfinite)
     return loss_scaled(inner, StaticRule(1.0), Options(check_finite=skip_nonfinite))

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loss_scale._types import PyTree
+from loss_scale._types import AxisName, PyTree
 
 
 def is_float_leaf(x: jax.Array) -> bool:
@@ -24,29 +24,59 @@ def is_float_leaf(x: jax.Array) -> bool:
 def compute_dtype(dtype: jnp.dtype) -> jnp.dtype:
     """The dtype in which a leaf of ``dtype`` is unscaled: at least float32.
 
-    16-bit gradients are divided in float32 so that the division itself does
-    not lose precision; float64 stays float64.
+    8- and 16-bit gradients are divided in float32 so that the division
+    itself does not lose precision; float64 and complex stay as they are
+    (float8 formats have no implicit promotion in JAX, hence no
+    ``promote_types``).
     """
-    return jnp.promote_types(dtype, jnp.float32)
+    if jnp.finfo(dtype).bits < 32:
+        return jnp.dtype(jnp.float32)
+    return jnp.dtype(dtype)
 
 
-def max_abs(x: jax.Array) -> jax.Array:
-    """``max(|x|)`` in ``x``'s own dtype (exact); NaN anywhere gives NaN.
+def _magnitude(x: jax.Array) -> jax.Array:
+    """``|x|`` elementwise, in ``x``'s real dtype; for complex ``x`` the larger
+    of ``|re|`` and ``|im|``, which is finite exactly when both parts are (and
+    does not overflow where ``|re + i im|`` would)."""
+    if jnp.issubdtype(x.dtype, jnp.complexfloating):
+        return jnp.maximum(jnp.abs(jnp.real(x)), jnp.abs(jnp.imag(x)))
+    return jnp.abs(x)
 
-    A max reads each element once and XLA can fuse it with the op that
-    produced ``x``, which makes it the cheapest complete inf/nan detector: the
-    max of the magnitudes is finite exactly when every element is.
+
+def peak_and_finite(x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(max|x|, all(isfinite(x)))`` of one floating leaf, in one pass.
+
+    One variadic reduction reads each element once and yields both. The
+    finite flag comes from ``isfinite`` and a logical and, whose results IEEE
+    arithmetic fixes; it never relies on a float ``max`` propagating NaN,
+    which XLA does not promise (on XLA:CPU, jaxlib 0.10.2, ``jnp.max`` over a
+    float32 array of 4096 or more elements drops NaN: ``max|x|`` of
+    ``ones(8192).at[100].set(nan)`` is 1.0). The peak is only meaningful when
+    the flag is True; with a NaN present it may be anything.
+
+    The peak is in ``x``'s real dtype (exact); complex leaves give the larger
+    of ``|re|`` and ``|im|`` (see ``_magnitude``). A leaf with no elements is
+    finite with peak 0.
     """
-    if x.size == 0:
-        return jnp.zeros((), jnp.real(x).dtype)
-    return jnp.max(jnp.abs(x))
+    magnitude = _magnitude(x)
+    zero = jnp.zeros((), magnitude.dtype)
+    peak, finite = jax.lax.reduce(
+        (magnitude, jnp.isfinite(x)), (zero, jnp.array(True)), _max_and_all, tuple(range(x.ndim))
+    )
+    return peak, finite
+
+
+def _max_and_all(a, b):
+    # A module-level function, so that op-by-op calls reuse its compilation.
+    return jnp.maximum(a[0], b[0]), jnp.logical_and(a[1], b[1])
 
 
 def all_finite(tree: PyTree) -> jax.Array:
     """Whether every element of every floating leaf of ``tree`` is finite.
 
-    One reduction per leaf (``max|x|``), read once; integer leaves are
-    ignored. An empty tree is finite.
+    Each floating leaf is read once (``isfinite`` and a logical-and
+    reduction: exact on every backend, whatever its float ``max`` does with
+    NaN); integer and boolean leaves are ignored. An empty tree is finite.
 
     Args:
       tree: any pytree of arrays.
@@ -58,22 +88,33 @@ def all_finite(tree: PyTree) -> jax.Array:
       >>> import jax.numpy as jnp, loss_scale as ls
       >>> bool(ls.all_finite({"w": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
       False
+      >>> bool(ls.all_finite({"w": jnp.ones(8192).at[100].set(jnp.nan)}))
+      False
     """
-    flags = [jnp.isfinite(max_abs(x)) for x in jax.tree.leaves(tree) if is_float_leaf(x)]
+    flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if is_float_leaf(x)]
     return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
 
 
+# Scales above this have a float32 reciprocal below float32's smallest normal.
+_LARGE_SCALE = 2.0**126
+
+
 def unscaled_value(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """``x / scale`` in ``compute_dtype(x.dtype)`` (at least float32)."""
+    """``x / scale`` in ``compute_dtype(x.dtype)`` (at least float32), as
+    ``x * (1 / scale)`` with the reciprocal rounded to that dtype: torch's
+    unscale, bit for bit.
+
+    For a scale above 2**126 that reciprocal is a float32 subnormal, which
+    CPUs and GPUs flush to zero; there ``x * (2**64 / scale) * 2**-64`` keeps
+    the reciprocal normal. Its first product is at most ``|x| * 2**-62``, so
+    no intermediate overflows (a split such as ``x * (4 / s) * 0.25`` would,
+    for ``1 < s < 4`` and ``|x|`` near the dtype's largest value).
+    """
     dtype = compute_dtype(x.dtype)
     scale = scale.astype(dtype)
-    # XLA rewrites x / s as x * (1 / s), and for s > 2**126 that reciprocal is
-    # a float32 subnormal, which CPUs and GPUs flush to zero. For s > 1,
-    # x * (4 / s) * 0.25 keeps the reciprocal normal and the last multiply is
-    # exact: the same product as torch's x * (1 / s), without the flush.
-    large = scale > 1
-    reciprocal = jnp.where(large, 4 / scale, 1 / scale)
-    correction = jnp.where(large, 0.25, 1.0).astype(dtype)
+    large = scale > _LARGE_SCALE
+    reciprocal = jnp.where(large, 2.0**64 / scale, 1 / scale)
+    correction = jnp.where(large, 2.0**-64, 1.0).astype(dtype)
     return x.astype(dtype) * reciprocal * correction
 
 
@@ -89,8 +130,9 @@ def unscale_tree(tree: PyTree, scale: jax.Array) -> PyTree:
     return jax.tree.map(lambda x: unscale_leaf(x, scale), tree)
 
 
-def _varying_axes(x) -> frozenset:
-    """The manual mesh axes (``shard_map``) along which ``x``'s type varies."""
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes (``shard_map``) along which the type ``x`` varies
+    (empty outside ``shard_map`` and with ``check_vma=False``)."""
     manual = getattr(x, "manual_axis_type", None)
     if manual is not None:
         return frozenset(manual.varying)
@@ -101,7 +143,7 @@ def match_varying(x: jax.Array, like) -> jax.Array:
     """``x`` marked as varying along the ``shard_map`` axes ``like`` varies
     along, so that both branches of a ``lax.cond`` have the same type. Only
     the type changes, never the values."""
-    missing = _varying_axes(like) - _varying_axes(jax.typeof(x))
+    missing = varying_axes(like) - varying_axes(jax.typeof(x))
     if not missing:
         return x
     cast = getattr(jax.lax, "pcast", None)
@@ -122,8 +164,8 @@ class GradStats(NamedTuple):
     Attributes:
       leaf_finite: bool[n], one flag per leaf of the gradient tree (in
         ``jax.tree.leaves`` order); non-floating leaves count as finite.
-      grad_max: float32, the largest unscaled magnitude (inf or nan when a
-        gradient is not finite).
+      grad_max: float32, the largest unscaled magnitude (inf when a gradient
+        is not finite).
       sq_norm: float32, the squared global norm of the unscaled gradients, or
         ``None`` when it was not asked for.
       underflow: float32[2], the fractions of gradient elements that are
@@ -140,41 +182,65 @@ class GradStats(NamedTuple):
 FLOAT16_TINY = float(jnp.finfo(jnp.float16).tiny)
 
 
-def gradient_stats(tree: PyTree, scale: jax.Array, with_norm: bool = False, with_underflow: bool = False) -> GradStats:
+def gradient_stats(
+    tree: PyTree,
+    scale: jax.Array,
+    with_norm: bool = False,
+    with_underflow: bool = False,
+    axis_name: AxisName | None = None,
+) -> GradStats:
     """The finite check, the largest magnitude and optionally the norm and
     the underflow fractions.
 
-    Each floating leaf is reduced once with ``max|x|``; the optional
+    Each floating leaf is read once by ``peak_and_finite``; the optional
     statistics add reductions over the same values (XLA can fuse them into
     one read, but that depends on the backend).
+
+    A leaf is finite once unscaled exactly when its elements are finite and
+    its peak, unscaled as the elements are (in at least float32, then back to
+    the leaf's dtype), is finite: the unscale is monotonic, so the largest
+    unscaled magnitude is the unscaled largest magnitude. That catches a
+    finite gradient that overflows when divided by a scale below 1.
+
+    With ``axis_name`` (inside ``shard_map`` or ``pmap``) every replica gets
+    the same flags and maximum, so all take the same branch and keep the same
+    scale. The norm and the underflow counts add up the leaves that JAX types
+    as varying along the axis (slices of a sharded parameter) over it; the
+    others are replicated, and counted once.
     """
     leaves = jax.tree.leaves(tree)
     # Each leaf's max|x|, grouped by dtype and unscaled one group at a time:
     # one vector op per dtype rather than one scalar op (one GPU kernel) per leaf.
-    groups: dict[jnp.dtype, list[tuple[int, jax.Array]]] = {}
-    squares, zeros, tiny, count = [], [], [], 0
+    groups: dict[jnp.dtype, list[tuple[int, jax.Array, jax.Array]]] = {}
+    # Per-leaf sums (square norm, zeros, below float16's normal, elements),
+    # split by whether they are summed over the axis.
+    sums = {False: [], True: []}
     for i, x in enumerate(leaves):
         if not is_float_leaf(x):
             continue
-        peak = max_abs(x)
-        groups.setdefault(peak.dtype, []).append((i, peak))
-        if with_norm:
-            unscaled = unscale_leaf(x, scale).astype(compute_dtype(x.dtype))  # as the inner sees it
-            squares.append(jnp.sum(jnp.real(unscaled * jnp.conj(unscaled))).astype(jnp.float32))
-        if with_underflow:
-            magnitude = jnp.abs(x)
-            zeros.append(jnp.sum(magnitude == 0, dtype=jnp.int32))
-            tiny.append(jnp.sum(magnitude < FLOAT16_TINY, dtype=jnp.int32))
-            count += x.size
+        peak, finite = peak_and_finite(x)
+        groups.setdefault(peak.dtype, []).append((i, peak, finite))
+        if with_norm or with_underflow:
+            row = []
+            if with_norm:
+                unscaled = unscale_leaf(x, scale).astype(compute_dtype(x.dtype))  # as the inner sees it
+                row.append(jnp.sum(jnp.real(unscaled * jnp.conj(unscaled))).astype(jnp.float32))
+            if with_underflow:
+                magnitude = _magnitude(x)
+                row += [
+                    jnp.sum(magnitude == 0, dtype=jnp.float32),
+                    jnp.sum(magnitude < FLOAT16_TINY, dtype=jnp.float32),
+                    jnp.float32(x.size),
+                ]
+            sharded = axis_name is not None and bool(_axis_names(axis_name) & varying_axes(jax.typeof(x)))
+            sums[sharded].append(jnp.stack(row))
     order, flags, maxima = [], [], []
     for items in groups.values():
-        # The same unscale as the elements get (in at least float32, back to
-        # the leaf's dtype), so a maximum that overflows its dtype once
-        # unscaled is caught as the elements would be.
-        unscaled = unscale_leaf(jnp.stack([peak for _, peak in items]), scale)
-        order += [i for i, _ in items]
-        flags.append(jnp.isfinite(unscaled))
-        maxima.append(unscaled.astype(jnp.float32))
+        unscaled = unscale_leaf(jnp.stack([peak for _, peak, _ in items]), scale)
+        finite = jnp.stack([finite for _, _, finite in items]) & jnp.isfinite(unscaled)
+        order += [i for i, _, _ in items]
+        flags.append(finite)
+        maxima.append(jnp.where(finite, unscaled.astype(jnp.float32), jnp.inf))
     taken = set(order)
     others = [i for i in range(len(leaves)) if i not in taken]  # non-floating leaves: finite
     flags.append(jnp.ones((len(others),), jnp.bool_))
@@ -182,12 +248,25 @@ def gradient_stats(tree: PyTree, scale: jax.Array, with_norm: bool = False, with
     if order + others != list(range(len(leaves))):
         leaf_finite = leaf_finite[np.argsort(order + others)]  # back to leaf order
     grad_max = jnp.max(jnp.concatenate(maxima)) if maxima else jnp.zeros((), jnp.float32)
-    sq_norm = (sum(squares) if squares else jnp.zeros((), jnp.float32)) if with_norm else None
+    if axis_name is not None:
+        leaf_finite = jax.lax.pmin(leaf_finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+        grad_max = jax.lax.pmax(grad_max, axis_name)
+    width = int(with_norm) + 3 * int(with_underflow)
+    totals = jnp.zeros((width,), jnp.float32)
+    if sums[True]:
+        totals = totals + jax.lax.psum(jnp.sum(jnp.stack(sums[True]), axis=0), axis_name)
+    if sums[False]:
+        totals = totals + jnp.sum(jnp.stack(sums[False]), axis=0)
+    sq_norm = totals[0] if with_norm else None
     underflow = None
     if with_underflow:
-        counts = jnp.stack([sum(zeros, jnp.int32(0)), sum(tiny, jnp.int32(0))]).astype(jnp.float32)
-        underflow = counts / max(count, 1)
+        zeros, tiny, count = totals[width - 3], totals[width - 2], totals[width - 1]
+        underflow = jnp.stack([zeros, tiny]) / jnp.maximum(count, 1)
     return GradStats(leaf_finite, grad_max, sq_norm, underflow)
+
+
+def _axis_names(axis_name: AxisName) -> set:
+    return set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
 
 
 def unscale_and_clip_tree(tree: PyTree, scale: jax.Array, clip_factor: jax.Array | None) -> PyTree:

@@ -53,60 +53,57 @@ takes its own ``max_gradient_norm`` instead), ``track_grad_norm``,
 from __future__ import annotations
 
 import math
-import re
 from collections.abc import Hashable
 from typing import Any
 
-import numpy as np
 import optax
 
+from loss_scale import _validate as validate
 from loss_scale._peer_rules import CerebrasRule
-from loss_scale._state import FLOAT32_TINY, DynamicRule, StaticRule
-from loss_scale._transform import keyword_options, loss_scaled
+from loss_scale._state import DynamicRule, StaticRule
+from loss_scale._transform import LossScaleTransformation, keyword_options, loss_scaled
 
 __all__ = ["apex", "cerebras", "deepspeed", "flax", "jmp", "keras", "megatron", "tf_keras", "torch"]
 
-FLOAT32_MAX = float(np.finfo(np.float32).max)
+FLOAT32_MAX, FLOAT32_TINY = validate.FLOAT32_MAX, validate.FLOAT32_TINY
 
-_Result = optax.GradientTransformationExtraArgs
-
-
-def _count(name: str, value: Any, minimum: int = 1, *, integral_float: bool = False) -> int:
-    """An int setting >= ``minimum``; ``integral_float`` also takes 1000.0
-    (for peers that type the setting as a float)."""
-    if integral_float and isinstance(value, float) and value.is_integer():
-        value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int | np.integer):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
-    return int(value)
+_Result = LossScaleTransformation
 
 
-def _dynamic_rule(names: dict[str, str], **settings: Any) -> DynamicRule:
-    """``DynamicRule(**settings)``, with errors naming the peer's arguments."""
-    try:
-        initial = float(settings["initial_scale"])
-    except (TypeError, ValueError):
-        initial = None
-    try:
-        if initial is not None and math.isfinite(initial) and initial > FLOAT32_MAX:
-            raise ValueError(
-                f"initial_scale must be at most float32's largest value, got {settings['initial_scale']!r}"
-            )
-        return DynamicRule(**settings)
-    except (TypeError, ValueError) as error:
-        message = str(error)
-        for ours, theirs in names.items():
-            message = re.sub(rf"\b{ours}\b", theirs, message)
-        raise type(error)(message) from None
+def _dynamic_rule(
+    *,
+    initial: tuple[str, Any],
+    minimum: tuple[str, Any],
+    maximum: tuple[str, Any],
+    growth_factor: tuple[str, Any] = ("growth_factor", 2.0),
+    backoff_factor: tuple[str, Any] = ("backoff_factor", 0.5),
+    growth_interval: int,
+    hysteresis: int = 1,
+    consecutive_hysteresis: bool = False,
+    growth_delay: int = 0,
+) -> DynamicRule:
+    """``DynamicRule`` from a peer's settings, each a ``(peer's name, value)``
+    pair so that every error names the peer's argument. Counts are checked
+    by the caller, which knows their names and ranges.
 
-
-def _static_rule(name: str, scale: Any) -> StaticRule:
-    try:
-        return StaticRule(scale)
-    except (TypeError, ValueError) as error:
-        raise type(error)(str(error).replace("scale", name, 1)) from None
+    Presets check every setting whatever their mode (``enabled=False``, a
+    static ``loss_scale``), so that a wrong setting fails before anyone
+    switches the mode."""
+    initial_value = validate.scale(*initial)
+    min_value = validate.scale(*minimum)
+    max_value = validate.scale(*maximum, allow_inf=True)
+    validate.scale_bounds((initial[0], initial_value), (minimum[0], min_value), (maximum[0], max_value))
+    return DynamicRule(
+        initial_scale=initial_value,
+        growth_factor=validate.growth_factor(*growth_factor),
+        backoff_factor=validate.backoff_factor(*backoff_factor),
+        growth_interval=growth_interval,
+        min_scale=min_value,
+        max_scale=max_value,
+        hysteresis=hysteresis,
+        consecutive_hysteresis=consecutive_hysteresis,
+        growth_delay=growth_delay,
+    )
 
 
 def torch(
@@ -171,17 +168,16 @@ def torch(
     options = keyword_options(
         max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
     )
-    if not enabled:
-        return loss_scaled(inner, StaticRule(1.0), options)
     rule = _dynamic_rule(
-        {"initial_scale": "init_scale"},
-        initial_scale=init_scale,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=_count("growth_interval", growth_interval),
-        min_scale=FLOAT32_TINY,
-        max_scale=math.inf,
+        initial=("init_scale", init_scale),
+        minimum=("float32's smallest normal", FLOAT32_TINY),
+        maximum=("inf", math.inf),
+        growth_factor=("growth_factor", growth_factor),
+        backoff_factor=("backoff_factor", backoff_factor),
+        growth_interval=validate.count("growth_interval", growth_interval),
     )
+    if not validate.flag("enabled", enabled):
+        rule = StaticRule(1.0)
     return loss_scaled(inner, rule, options)
 
 
@@ -236,22 +232,16 @@ def keras(
       4.0 True
       8.0 False
     """
+    options = keyword_options(
+        max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
+    )
     rule = _dynamic_rule(
-        {},
-        initial_scale=initial_scale,
-        growth_factor=2.0,
-        backoff_factor=0.5,
-        growth_interval=_count("dynamic_growth_steps", dynamic_growth_steps),
-        min_scale=FLOAT32_TINY,
-        max_scale=math.inf,
+        initial=("initial_scale", initial_scale),
+        minimum=("float32's smallest normal", FLOAT32_TINY),
+        maximum=("inf", math.inf),
+        growth_interval=validate.count("dynamic_growth_steps", dynamic_growth_steps),
     )
-    return loss_scaled(
-        inner,
-        rule,
-        keyword_options(
-            max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
-        ),
-    )
+    return loss_scaled(inner, rule, options)
 
 
 def tf_keras(
@@ -314,29 +304,21 @@ def tf_keras(
     options = keyword_options(
         max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
     )
-    if not dynamic:
+    if not validate.flag("dynamic", dynamic):
         if initial_scale is None:
             raise ValueError('"initial_scale" must be specified if "dynamic" is False')
         if dynamic_growth_steps is not None:
             raise ValueError(f'"dynamic_growth_steps" must be None if "dynamic" is False, got {dynamic_growth_steps!r}')
-        return loss_scaled(inner, _static_rule("initial_scale", initial_scale), options)
-    initial = 2.0**15 if initial_scale is None else initial_scale
-    try:
-        below_one = float(initial) < 1
-    except (TypeError, ValueError):
-        below_one = False  # DynamicRule names the problem
-    if below_one:
+        return loss_scaled(inner, StaticRule(validate.scale("initial_scale", initial_scale)), options)
+    initial = validate.scale("initial_scale", 2.0**15 if initial_scale is None else initial_scale)
+    if initial < 1:
         raise ValueError(f"initial_scale must be >= 1 (tf-keras's minimum scale), got {initial_scale!r}")
+    steps = 2000 if dynamic_growth_steps is None else dynamic_growth_steps
     rule = _dynamic_rule(
-        {},
-        initial_scale=initial,
-        growth_factor=2.0,
-        backoff_factor=0.5,
-        growth_interval=_count(
-            "dynamic_growth_steps", 2000 if dynamic_growth_steps is None else dynamic_growth_steps, integral_float=True
-        ),
-        min_scale=1.0,
-        max_scale=math.inf,
+        initial=("initial_scale", initial),
+        minimum=("tf-keras's minimum scale", 1.0),
+        maximum=("inf", math.inf),
+        growth_interval=validate.count("dynamic_growth_steps", steps, integral_float=True),
     )
     return loss_scaled(inner, rule, options)
 
@@ -428,27 +410,20 @@ def deepspeed(
     options = keyword_options(
         max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
     )
-    if loss_scale:
-        return loss_scaled(inner, _static_rule("loss_scale", loss_scale), options)
-    power = _count("initial_scale_power", initial_scale_power, -126)
-    if power > 127:
-        raise ValueError(f"initial_scale_power must be <= 127 (float32), got {initial_scale_power!r}")
+    power = validate.count("initial_scale_power", initial_scale_power, -126, 127)
     rule = _dynamic_rule(
-        {
-            "initial_scale": "2**initial_scale_power",
-            "min_scale": "min_loss_scale",
-            "hysteresis": "hysteresis",
-        },
-        initial_scale=2.0**power,
-        growth_factor=2.0,
-        backoff_factor=0.5,
-        growth_interval=_count("loss_scale_window", loss_scale_window),
-        min_scale=min_loss_scale,
-        max_scale=math.inf,
-        hysteresis=_count("hysteresis", hysteresis),
-        consecutive_hysteresis=consecutive_hysteresis,
+        initial=("2**initial_scale_power", 2.0**power),
+        minimum=("min_loss_scale", min_loss_scale),
+        maximum=("inf", math.inf),
+        # The first growth needs one more clean step: the window's counter
+        # must stay an int32.
+        growth_interval=validate.count("loss_scale_window", loss_scale_window, maximum=validate.INT32_MAX - 1),
+        hysteresis=validate.count("hysteresis", hysteresis),
+        consecutive_hysteresis=validate.flag("consecutive_hysteresis", consecutive_hysteresis),
         growth_delay=1,
     )
+    if loss_scale:
+        rule = StaticRule(validate.scale("loss_scale", loss_scale))
     return loss_scaled(inner, rule, options)
 
 
@@ -516,18 +491,15 @@ def megatron(
     options = keyword_options(
         max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
     )
-    if loss_scale:
-        return loss_scaled(inner, _static_rule("loss_scale", loss_scale), options)
     rule = _dynamic_rule(
-        {"initial_scale": "initial_loss_scale", "min_scale": "min_loss_scale"},
-        initial_scale=initial_loss_scale,
-        growth_factor=2.0,
-        backoff_factor=0.5,
-        growth_interval=_count("loss_scale_window", loss_scale_window, integral_float=True),
-        min_scale=min_loss_scale,
-        max_scale=math.inf,
-        hysteresis=_count("hysteresis", hysteresis),
+        initial=("initial_loss_scale", initial_loss_scale),
+        minimum=("min_loss_scale", min_loss_scale),
+        maximum=("inf", math.inf),
+        growth_interval=validate.count("loss_scale_window", loss_scale_window, integral_float=True),
+        hysteresis=validate.count("hysteresis", hysteresis),
     )
+    if loss_scale:
+        rule = StaticRule(validate.scale("loss_scale", loss_scale))
     return loss_scaled(inner, rule, options)
 
 
@@ -592,28 +564,16 @@ def apex(
     options = keyword_options(
         max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
     )
-    if loss_scale != "dynamic":
-        return loss_scaled(inner, _static_rule("loss_scale", loss_scale), options)
-    try:
-        maximum = float(max_loss_scale)
-        initial = min(maximum, float(init_scale))
-    except (TypeError, ValueError):
-        raise TypeError(
-            f"init_scale and max_loss_scale must be real numbers, got {init_scale!r} and {max_loss_scale!r}"
-        ) from None
+    maximum = validate.scale("max_loss_scale", max_loss_scale, allow_inf=True)
+    initial = min(maximum, validate.scale("init_scale", init_scale))
     rule = _dynamic_rule(
-        {
-            "initial_scale": "min(max_loss_scale, init_scale)",
-            "min_scale": "min_loss_scale",
-            "max_scale": "max_loss_scale",
-        },
-        initial_scale=initial,
-        growth_factor=2.0,
-        backoff_factor=0.5,
-        growth_interval=_count("scale_window", scale_window),
-        min_scale=min_loss_scale if min_loss_scale else FLOAT32_TINY,
-        max_scale=maximum,
+        initial=("min(max_loss_scale, init_scale)", initial),
+        minimum=("min_loss_scale", min_loss_scale) if min_loss_scale else ("float32's smallest normal", FLOAT32_TINY),
+        maximum=("max_loss_scale", maximum),
+        growth_interval=validate.count("scale_window", scale_window),
     )
+    if loss_scale != "dynamic":
+        rule = StaticRule(validate.scale("loss_scale", loss_scale))
     return loss_scaled(inner, rule, options)
 
 
@@ -673,22 +633,19 @@ def flax(
       16.0 False
       8.0 True
     """
+    options = keyword_options(
+        max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
+    )
     rule = _dynamic_rule(
-        {"initial_scale": "scale", "min_scale": "minimum_scale"},
-        initial_scale=scale,
-        growth_factor=growth_factor,
-        backoff_factor=backoff_factor,
-        growth_interval=_count("growth_interval", growth_interval, 0) + 1,
-        min_scale=FLOAT32_TINY if minimum_scale is None else minimum_scale,
-        max_scale=FLOAT32_MAX,
+        initial=("scale", scale),
+        minimum=("minimum_scale", FLOAT32_TINY if minimum_scale is None else minimum_scale),
+        maximum=("float32's largest value", FLOAT32_MAX),
+        growth_factor=("growth_factor", growth_factor),
+        backoff_factor=("backoff_factor", backoff_factor),
+        # flax grows on the (growth_interval + 1)-th clean step.
+        growth_interval=validate.count("growth_interval", growth_interval, 0, validate.INT32_MAX - 1) + 1,
     )
-    return loss_scaled(
-        inner,
-        rule,
-        keyword_options(
-            max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
-        ),
-    )
+    return loss_scaled(inner, rule, options)
 
 
 def jmp(
@@ -743,23 +700,20 @@ def jmp(
       0.5 True
       2.0 False
     """
-    factor = _count("factor", factor, 2, integral_float=True)
+    options = keyword_options(
+        max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
+    )
+    # 1 / factor must be a normal float32.
+    factor = validate.count("factor", factor, 2, 2**126, integral_float=True)
     rule = _dynamic_rule(
-        {"initial_scale": "loss_scale", "min_scale": "min_loss_scale", "growth_factor": "factor"},
-        initial_scale=loss_scale,
-        growth_factor=float(factor),
-        backoff_factor=1.0 / factor,
-        growth_interval=_count("period", period),
-        min_scale=min_loss_scale,
-        max_scale=math.inf,
+        initial=("loss_scale", loss_scale),
+        minimum=("min_loss_scale", min_loss_scale),
+        maximum=("inf", math.inf),
+        growth_factor=("factor", float(factor)),
+        backoff_factor=("1 / factor", 1.0 / factor),
+        growth_interval=validate.count("period", period),
     )
-    return loss_scaled(
-        inner,
-        rule,
-        keyword_options(
-            max_grad_norm, track_grad_norm, locate_overflows, axis_name, max_consecutive_skips, track_underflow
-        ),
-    )
+    return loss_scaled(inner, rule, options)
 
 
 def cerebras(
@@ -835,33 +789,28 @@ def cerebras(
       16.0 False
       8.0 True
     """
-    initial = initial_loss_scale if initial_loss_scale else 2.0**15
+    # As in Cerebras, None or 0 means the default.
+    maximum = validate.scale("max_loss_scale", max_loss_scale if max_loss_scale else 2.0**15, allow_inf=True)
+    initial = validate.scale("initial_loss_scale", initial_loss_scale if initial_loss_scale else 2.0**15)
+    minimum = validate.scale("min_loss_scale", min_loss_scale if min_loss_scale else 2.0**-14)
+    if minimum < 2.0**-14:
+        raise ValueError(f"min_loss_scale too small: must be >= 2**-14, got {min_loss_scale!r}")
+    initial = min(maximum, initial)
+    validate.scale_bounds(
+        ("min(max_loss_scale, initial_loss_scale)", initial), ("min_loss_scale", minimum), ("max_loss_scale", maximum)
+    )
+    tolerance = validate.real("overflow_tolerance", overflow_tolerance)
+    if not 0 <= tolerance < math.inf:
+        raise ValueError(f"overflow_tolerance must be finite and >= 0, got {overflow_tolerance!r}")
     steps = steps_per_increase if steps_per_increase else 2000
-    minimum = min_loss_scale if min_loss_scale else 2.0**-14
-    maximum = max_loss_scale if max_loss_scale else 2.0**15
-    try:
-        if float(minimum) < 2.0**-14:
-            raise ValueError(f"min_loss_scale too small: must be >= 2**-14, got {min_loss_scale!r}")
-        initial = min(float(maximum), float(initial))
-    except TypeError:
-        raise TypeError("initial_loss_scale, min_loss_scale and max_loss_scale must be real numbers") from None
-    try:
-        rule = CerebrasRule(
-            initial_scale=initial,
-            steps_per_increase=_count("steps_per_increase", steps),
-            min_scale=minimum,
-            max_scale=maximum,
-            overflow_tolerance=overflow_tolerance,
-        )
-    except (TypeError, ValueError) as error:
-        message = str(error)
-        for ours, theirs in [
-            ("initial_scale", "min(max_loss_scale, initial_loss_scale)"),
-            ("min_scale", "min_loss_scale"),
-            ("max_scale", "max_loss_scale"),
-        ]:
-            message = re.sub(rf"\b{ours}\b", theirs, message)
-        raise type(error)(message) from None
+    rule = CerebrasRule(
+        initial_scale=initial,
+        # The step counter passes steps_per_increase before the growth.
+        steps_per_increase=validate.count("steps_per_increase", steps, maximum=validate.INT32_MAX - 1),
+        min_scale=minimum,
+        max_scale=maximum,
+        overflow_tolerance=tolerance,
+    )
     options = keyword_options(
         max_gradient_norm if max_gradient_norm else None,
         track_grad_norm,

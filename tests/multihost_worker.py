@@ -27,17 +27,28 @@ STEPS = 60
 POISON = {7: 0, 19: 1, 20: 1, 33: 0, 34: 1, 50: 0}  # step -> process that overflows
 
 
-def main(process_id: int, port: int, out_path: str) -> None:
-    jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
-    mesh = Mesh(np.array(jax.devices()), ("data",))
-    batch_sharding = NamedSharding(mesh, P("data"))
-    replicated = NamedSharding(mesh, P())
+def make_tx():
+    return ls.dynamic(optax.adam(0.05), initial_scale=2.0**10, growth_interval=8)
 
-    tx = ls.dynamic(optax.adam(0.05), initial_scale=2.0**10, growth_interval=8)
-    params = {"w": jnp.zeros((4, 1)), "b": jnp.zeros((1, 1))}
-    params = jax.device_put(params, replicated)
-    state = jax.device_put(tx.init(params), replicated)
 
+def init_params():
+    return {"w": jnp.zeros((4, 1)), "b": jnp.zeros((1, 1))}
+
+
+def global_batches():
+    """(x, y, poison) of every step, for the whole global batch of 16."""
+    rng = np.random.default_rng(0)
+    for i in range(STEPS):
+        x = rng.normal(size=(16, 4)).astype(np.float32)
+        y = x @ np.array([[1.0], [-2.0], [0.5], [3.0]], np.float32) + 0.25
+        poison = np.ones((16,), np.float32)
+        if i in POISON:
+            rows = slice(0, 8) if POISON[i] == 0 else slice(8, 16)
+            poison[rows] = np.inf
+        yield x, y, poison
+
+
+def make_step(tx):
     @jax.jit
     def step(params, state, x, y, poison):
         def loss_fn(p):
@@ -50,25 +61,42 @@ def main(process_id: int, port: int, out_path: str) -> None:
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state, loss
 
-    rng = np.random.default_rng(0)
+    return step
+
+
+def train(params, state, step, batches):
     record = {"scale": [], "skipped": [], "loss": []}
-    for i in range(STEPS):
-        x = rng.normal(size=(16, 4)).astype(np.float32)
-        y = x @ np.array([[1.0], [-2.0], [0.5], [3.0]], np.float32) + 0.25
-        poison = np.ones((16,), np.float32)
-        if i in POISON:
-            rows = slice(0, 8) if POISON[i] == 0 else slice(8, 16)
-            poison[rows] = np.inf
-        local = slice(8 * process_id, 8 * process_id + 8)
-        x_g, y_g, p_g = (
-            multihost_utils.host_local_array_to_global_array(a[local], mesh, P("data")) for a in (x, y, poison)
-        )
-        params, state, loss = step(params, state, x_g, y_g, p_g)
+    for x, y, poison in batches:
+        params, state, loss = step(params, state, x, y, poison)
         record["scale"].append(float(state.scale))
         record["skipped"].append(bool(state.skipped))
         record["loss"].append(float(loss))
+    return params, record
+
+
+def single_device_run() -> dict:
+    """The same training on one device with the whole batch: the reference."""
+    tx = make_tx()
+    params, record = train(init_params(), tx.init(init_params()), make_step(tx), global_batches())
+    record["w"] = np.asarray(params["w"]).ravel().tolist()
+    return record
+
+
+def main(process_id: int, port: int, out_path: str) -> None:
+    jax.distributed.initialize(f"localhost:{port}", num_processes=2, process_id=process_id)
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    replicated = NamedSharding(mesh, P())
+
+    tx = make_tx()
+    params = jax.device_put(init_params(), replicated)
+    state = jax.device_put(tx.init(params), replicated)
+    local = slice(8 * process_id, 8 * process_id + 8)
+    batches = (
+        [multihost_utils.host_local_array_to_global_array(a[local], mesh, P("data")) for a in batch]
+        for batch in global_batches()
+    )
+    params, record = train(params, state, make_step(tx), batches)
     record["w"] = np.asarray(multihost_utils.process_allgather(params["w"], tiled=True)).ravel().tolist()
-    del batch_sharding
     with open(out_path, "w") as f:
         json.dump(record, f)
     jax.distributed.shutdown()

@@ -123,3 +123,27 @@ def test_wrap_opt_state_migrates_a_plain_optax_checkpoint():
         ls.wrap_opt_state(TX, jax.tree.map(lambda x: x.astype(jnp.float16) if x.ndim else x, plain_state), params)
     with pytest.raises(ValueError, match="loss-scaling transformation"):
         ls.wrap_opt_state(plain, plain_state, params)
+
+
+@pytest.mark.parametrize(
+    ("saved_with", "used_with", "field"),
+    [
+        ({}, {"track_grad_norm": True}, "grad_norm"),
+        ({}, {"locate_overflows": True}, "nonfinite_leaves"),
+        ({"track_underflow": True}, {}, "zero_fraction"),
+        ({"max_grad_norm": 1.0}, {}, "grad_norm"),
+    ],
+)
+def test_a_state_from_other_settings_gets_one_clear_error(tmp_path, saved_with, used_with, field):
+    params = {"w": jnp.ones((2, 3))}
+    saved = ls.dynamic(optax.adam(1e-3), **saved_with).init(params)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", saved)
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(tmp_path / "ckpt", jax.tree.map(ocp.utils.to_shape_dtype_struct, saved))
+    tx = ls.dynamic(optax.adam(1e-3), **used_with)
+    with pytest.raises(ValueError, match=rf"field '{field}' .* built with other settings"):
+        tx.update(jax.tree.map(jnp.ones_like, params), restored, params)
+    # The predictive rule keeps counters the dynamic rule's state lacks.
+    with pytest.raises(ValueError, match=r"field 'headroom' is absent"):
+        ls.predictive(optax.adam(1e-3), **used_with).update(jax.tree.map(jnp.ones_like, params), restored, params)

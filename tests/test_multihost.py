@@ -1,6 +1,7 @@
 """Two processes on this machine form one JAX cluster (jax.distributed on
 localhost, CPU collectives): an overflow on one host only is skipped by both,
-and both keep the same scale."""
+both keep the same scale, and both train exactly as one device with the
+whole batch does."""
 
 import json
 import os
@@ -9,7 +10,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.multihost_worker import POISON, STEPS
+import numpy as np
+
+from tests.multihost_worker import POISON, STEPS, single_device_run
 
 WORKER = Path(__file__).with_name("multihost_worker.py")
 
@@ -43,3 +46,8 @@ def test_two_processes_skip_the_same_steps(tmp_path):
     assert [i for i, s in enumerate(a["skipped"]) if s] == sorted(POISON)
     assert len(a["scale"]) == STEPS and len(set(a["scale"])) > 2
     assert a["loss"][-1] < 0.2 * a["loss"][0]
+    reference = single_device_run()
+    assert a["scale"] == reference["scale"] and a["skipped"] == reference["skipped"]
+    np.testing.assert_allclose(a["w"], reference["w"], rtol=2e-5)
+    # The loss each host reports is the global mean, as on one device.
+    np.testing.assert_allclose(a["loss"], reference["loss"], rtol=2e-5)

@@ -41,10 +41,10 @@ def run_rule(rule, grad_maxes, finite=None):
     "kwargs, match",
     [
         ({"initial_headroom": 0, "min_headroom": 1}, "initial_headroom .* must be >= min_headroom"),
-        ({"min_headroom": 65}, r"min_headroom must be in \[-64, 64\]"),
+        ({"min_headroom": 65}, "min_headroom must be <= 64"),
         ({"min_headroom": 1.5}, "min_headroom must be an int"),
         ({"headroom_interval": 0}, "headroom_interval must be >= 1"),
-        ({"peak_half_life": 0.5}, "peak_half_life must be >= 1"),
+        ({"peak_half_life": 0.5}, "peak_half_life must be finite and >= 1"),
         ({"peak_half_life": math.inf}, "peak_half_life must be finite"),
         ({"initial_scale": 0.5}, "initial_scale must lie in"),
         ({"min_scale": 0.0}, "min_scale must be finite and > 0"),

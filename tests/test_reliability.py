@@ -36,6 +36,25 @@ def test_max_consecutive_skips_raises_naming_the_leaves_and_applies_nothing():
     assert int(state.consecutive_skips) == 0
 
 
+def test_max_consecutive_skips_under_vmap_raises_only_for_the_stuck_model():
+    # Under vmap the cond guarding the host callback becomes a select, so the
+    # callback runs on every step, once per model: it must check the count.
+    tx = ls.dynamic(optax.sgd(0.1), initial_scale=8.0, max_consecutive_skips=3)
+    params = jnp.zeros((4, 2))
+    state = jax.vmap(tx.init)(params)
+    update = jax.jit(jax.vmap(tx.update))
+    clean = jnp.ones((4, 2))
+    for _ in range(5):
+        _, state = update(clean, state, params)
+    assert int(state.skipped_steps.sum()) == 0
+    stuck_one = clean.at[2, 0].set(jnp.nan)  # model 2 overflows on every step
+    for _ in range(2):
+        _, state = update(stuck_one, state, params)
+    np.testing.assert_array_equal(state.consecutive_skips, [0, 0, 2, 0])
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"3 consecutive steps skipped.*gradient array itself"):
+        jax.block_until_ready(update(stuck_one, state, params))
+
+
 def test_default_keeps_skipping_at_the_minimum_and_reports_it():
     tx = ls.dynamic(optax.sgd(0.1), initial_scale=4.0, min_scale=1.0)
     state = tx.init(jnp.zeros(2))

@@ -80,12 +80,19 @@ RULES = {
 
 def run_shard_map(mesh, axis_name, steps, poison_device_steps, rule="dynamic"):
     """Data-parallel training under shard_map; each device keeps its own copy
-    of the state (stacked along the device axis) so that any disagreement
-    between replicas shows."""
+    of the params and state (stacked along the device axis) so that any
+    disagreement between replicas shows. With check_vma=True JAX would type
+    those copies as distinct per-device params (varying), whose gradient is
+    that of their own slice of the loss; check_vma=False treats them as
+    pmap does, as replicas whose gradients are averaged."""
     tx = RULES[rule](axis_name)
 
     @functools.partial(
-        jax.shard_map, mesh=mesh, in_specs=(P("data"), P("data"), P("data"), P("data"), P()), out_specs=P("data")
+        jax.shard_map,
+        mesh=mesh,
+        in_specs=(P("data"), P("data"), P("data"), P("data"), P()),
+        out_specs=P("data"),
+        check_vma=False,
     )
     def step(params, state, x, y, poison_device):
         params, state = jax.tree.map(lambda a: a[0], (params, state))

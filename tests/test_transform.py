@@ -162,15 +162,68 @@ def test_wrong_state_is_a_type_error():
         tx.update(jnp.ones(2), optax.sgd(0.1).init(jnp.ones(2)), jnp.ones(2))
 
 
-def test_inner_that_changes_its_state_dtype_is_named():
+PROMOTING = {
+    # optax initialises Adam's moments in the params' dtype and promotes them
+    # when the gradients are wider; plain optax accepts that.
+    "adam, bf16 params, f32 grads": (lambda: optax.adam(0.1), jnp.bfloat16, jnp.float32),
+    "adam, bf16 params, f16 grads": (lambda: optax.adam(0.1), jnp.bfloat16, jnp.float16),
+    "adam, f16 params, f32 grads": (lambda: optax.adam(0.1), jnp.float16, jnp.float32),
+    "inject_hyperparams(scale_by_adam, hyperparam_dtype=f32), bf16": (
+        lambda: optax.inject_hyperparams(optax.scale_by_adam, hyperparam_dtype=jnp.float32)(),
+        jnp.bfloat16,
+        jnp.float32,
+    ),
+}
+
+
+@pytest.mark.filterwarnings("ignore::loss_scale.Float16StateWarning")
+@pytest.mark.parametrize("name", list(PROMOTING))
+def test_inner_update_that_widens_its_state_works_as_in_plain_optax(name):
+    make_inner, param_dtype, grad_dtype = PROMOTING[name]
+    params = {"w": jnp.array([0.5, -1.0, 2.0], param_dtype)}
+    tx, inner = ls.static(make_inner(), 1.0), make_inner()
+    state, inner_state = tx.init(params), inner.init(params)
+    update, inner_update = jax.jit(tx.update), jax.jit(inner.update)
+    for step, poison in enumerate([None, None, jnp.nan, None, jnp.inf]):
+        grads = {"w": jnp.array([0.25, -0.5, 1.0 + step], grad_dtype)}
+        if poison is not None:
+            grads["w"] = grads["w"].at[1].set(poison)
+        before = state.inner_state
+        updates, state = update(grads, state, params)
+        if poison is None:
+            expected, inner_state = inner_update(grads, inner_state, params)
+            assert_trees_bitwise_equal(updates, expected)
+            assert_trees_bitwise_equal(state.inner_state, inner_state)
+        else:
+            # Skipped: the state as it was (in the dtype the update gives it, exactly).
+            assert bool(state.skipped)
+            widened = jax.tree.map(lambda old, new: old.astype(new.dtype), before, state.inner_state)
+            assert_trees_bitwise_equal(state.inner_state, widened)
+            assert_trees_bitwise_equal(state.inner_state, inner_state)
+
+
+def test_inner_update_that_narrows_its_state_is_named():
+    # A skipped step could not return a narrowed state unchanged: refused.
     def init(params):
-        return {"acc": jnp.zeros_like(params, jnp.float16)}
+        return {"acc": jnp.zeros_like(params, jnp.float32)}
 
     def update(updates, state, params=None):
-        return updates, {"acc": state["acc"] + updates}  # float16 + float32 -> float32
+        return updates, {"acc": (state["acc"] + updates).astype(jnp.bfloat16)}
 
     tx = ls.dynamic(optax.GradientTransformation(init, update))
-    with pytest.raises(TypeError, match=r"\['acc'\] from float16\(2,\) to float32\(2,\)"):
+    with pytest.raises(TypeError, match=r"\['acc'\] from float32\(2,\) to bfloat16\(2,\)"):
+        tx.update(jnp.ones(2), tx.init(jnp.ones(2)))
+
+
+def test_inner_update_that_reshapes_its_state_is_named():
+    def init(params):
+        return {"acc": jnp.zeros(2)}
+
+    def update(updates, state, params=None):
+        return updates, {"acc": jnp.zeros(3)}
+
+    tx = ls.dynamic(optax.GradientTransformation(init, update))
+    with pytest.raises(TypeError, match=r"\['acc'\] from float32\(2,\) to float32\(3,\)"):
         tx.update(jnp.ones(2), tx.init(jnp.ones(2)))
 
 
@@ -377,3 +430,67 @@ def test_apply_gradients_with_donation_and_a_skip():
     params, state = step(params, state, make_grads(2.0**11, ("bf", jnp.nan)))
     assert bool(state.skipped)
     jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, params), snapshot)
+
+
+def test_nested_loss_scaling_is_refused():
+    # Nested, the outer scale would multiply the loss while both divide the
+    # gradients: updates too small by the inner scale.
+    with pytest.raises(ValueError, match="already a loss-scaling transformation"):
+        ls.dynamic(ls.dynamic(optax.sgd(1.0), initial_scale=16.0), initial_scale=4.0)
+    with pytest.raises(ValueError, match="already a loss-scaling transformation"):
+        ls.presets.torch(ls.static(optax.sgd(1.0), 2.0))
+    # Hidden in a chain, it is found at init.
+    tx = ls.dynamic(optax.chain(optax.clip(1.0), ls.static(optax.sgd(1.0), 2.0)))
+    with pytest.raises(ValueError, match="nested inside another"):
+        tx.init({"w": jnp.zeros(2)})
+
+
+def test_the_transformation_is_an_optax_transformation_with_its_fused_step():
+    tx = ls.dynamic(optax.sgd(0.5), initial_scale=4.0)
+    assert isinstance(tx, optax.GradientTransformationExtraArgs) and isinstance(tx, ls.LossScaleTransformation)
+    init, update = tx  # unpacks like any optax transformation
+    params = {"w": jnp.ones(2)}
+    grads = {"w": jnp.array([4.0, 8.0])}
+    fused = tx.apply_gradients(grads, init(params), params)
+    updates, state = update(grads, init(params), params)
+    assert_trees_bitwise_equal(fused, (optax.apply_updates(params, updates), state))
+    assert_trees_bitwise_equal(ls.apply_gradients(tx, grads, init(params), params), fused)
+
+
+def test_inject_hyperparams_learning_rate_is_reachable_through_the_state():
+    params = {"w": jnp.ones(2)}
+    tx = ls.static(optax.inject_hyperparams(optax.sgd)(learning_rate=0.1), 2.0)
+    state = tx.init(params)
+    assert float(state.hyperparams["learning_rate"]) == np.float32(0.1)
+    state.hyperparams["learning_rate"] = jnp.asarray(0.5)  # as optax documents for its own state
+    updates, state = jax.jit(tx.update)({"w": jnp.array([2.0, 4.0])}, state, params)
+    np.testing.assert_allclose(updates["w"], [-0.5, -1.0])
+    # tree_set reaches it through the wrapper too.
+    state = optax.tree_utils.tree_set(state, learning_rate=jnp.asarray(0.25))
+    updates, state = jax.jit(tx.update)({"w": jnp.array([2.0, 4.0])}, state, params)
+    np.testing.assert_allclose(updates["w"], [-0.25, -0.5])
+
+
+def test_schedule_free_eval_params_through_the_wrapper_equals_plain_optax():
+    params = {"w": jnp.array([1.0, -2.0, 3.0])}
+    inner = optax.contrib.schedule_free_adamw(0.1)
+    tx = ls.static(optax.contrib.schedule_free_adamw(0.1), 4.0)
+    state, inner_state = tx.init(params), inner.init(params)
+    p, q = params, params
+    for step in range(6):
+        grads = {"w": jnp.array([0.5, -1.0, 0.25 * step])}
+        poisoned = {"w": grads["w"].at[0].set(jnp.nan)} if step == 3 else grads
+        updates, state = tx.update(jax.tree.map(lambda g: g * 4.0, poisoned), state, p)
+        p = optax.apply_updates(p, updates)
+        if step != 3:  # the skipped step changes nothing
+            inner_updates, inner_state = inner.update(grads, inner_state, q)
+            q = optax.apply_updates(q, inner_updates)
+    ours = optax.contrib.schedule_free_eval_params(state, p)
+    theirs = optax.contrib.schedule_free_eval_params(inner_state, q)
+    np.testing.assert_allclose(ours["w"], theirs["w"], rtol=1e-6)
+
+
+def test_a_missing_attribute_says_how_to_reach_the_inner_state():
+    state = ls.dynamic(optax.chain(optax.clip(1.0), optax.adam(1e-3))).init({"w": jnp.zeros(2)})
+    with pytest.raises(AttributeError, match=r"nor has its inner_state \(a tuple\).*find_state"):
+        _ = state.hyperparams
