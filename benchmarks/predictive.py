@@ -254,7 +254,7 @@ def train(workload: Workload, rule: str) -> dict[str, Any]:
     losses, scales, skipped, below, zeros = (np.array(column) for column in zip(*history, strict=True))
     applied = ~skipped
     final = float(np.mean([float(eval_loss(params, b)) for b in workload.eval_batches]))
-    headroom = ls.find_state(opt_state).headroom
+    headroom = ls.metrics(opt_state, prefix="").get("headroom")
     tail = max(1, workload.steps // 10)
     return {
         "skipped_steps": int(skipped.sum()),
@@ -290,7 +290,7 @@ def drifting_gradients(steps: int, noise: float = 0.25, seed: int = 0) -> np.nda
 
 
 def simulate(rule: Any, true_max: np.ndarray, amplification: float) -> tuple[np.ndarray, np.ndarray]:
-    """Runs a scale rule (``loss_scale._state``'s ``DynamicRule`` or
+    """Runs a scale rule (``loss_scale._rules``' ``DynamicRule`` or
     ``PredictiveRule``) against a simulated float16 backward pass: a step
     overflows when its largest value, ``amplification`` times the largest
     parameter gradient, exceeds float16's maximum once scaled. Returns the
@@ -315,7 +315,8 @@ SIMULATIONS = (  # (steps, noise, amplification)
 
 def simulation_table() -> str:
     """Skipped steps and median headroom of both rules on the simulated runs."""
-    from loss_scale._state import DynamicRule, PredictiveRule
+    from loss_scale._rules.dynamic import DynamicRule
+    from loss_scale._rules.predictive import PredictiveRule
 
     torch_rule = DynamicRule(initial_scale=2.0**16, min_scale=2.0**-30, max_scale=math.inf)
     lines = [

@@ -9,24 +9,20 @@ Example:
 """
 
 from loss_scale import presets
+from loss_scale._check import all_finite
+from loss_scale._errors import Float16StateWarning, SkippedStepsError
+from loss_scale._fused import apply_gradients
 from loss_scale._grad import find_state, get_scale, scale_loss, unscale, value_and_grad
 from loss_scale._metrics import metrics, overflow_paths
 from loss_scale._migrate import wrap_opt_state
 from loss_scale._precision import Policy, for_dtype
+from loss_scale._rules.dynamic import dynamic
+from loss_scale._rules.predictive import predictive
+from loss_scale._rules.static import no_op, static
 from loss_scale._state import LossScaleState
-from loss_scale._transform import (
-    Float16StateWarning,
-    LossScaleTransformation,
-    SkippedStepsError,
-    apply_gradients,
-    dynamic,
-    no_op,
-    predictive,
-    static,
-)
-from loss_scale._tree import all_finite
+from loss_scale._transform import LossScaleTransformation
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Float16StateWarning",

@@ -9,9 +9,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from loss_scale._sharding import axis_names, varying_axes
 from loss_scale._state import LossScaleState
-from loss_scale._tree import compute_dtype, unscale_tree, varying_axes
 from loss_scale._types import AxisName, PyTree
+from loss_scale._unscale import compute_dtype, unscale_tree
 
 
 def _is_state(x: Any) -> bool:
@@ -197,10 +198,6 @@ def _checked_loss(loss: Any) -> jax.Array:
     return loss.astype(compute_dtype(loss.dtype))
 
 
-def _names(axis_name: AxisName) -> set:
-    return set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
-
-
 def _typed(axis_name: AxisName) -> bool:
     """Whether JAX types values as varying or invariant along ``axis_name``
     (``shard_map`` with ``check_vma=True``, JAX's default), and so
@@ -212,8 +209,8 @@ def _typed(axis_name: AxisName) -> bool:
     the user) needs nothing. Without that typing (``pmap``,
     ``check_vma=False``) even ``axis_index`` is not varying, and the
     gradients, which are then local, are averaged with ``pmean``."""
-    return _names(axis_name) <= varying_axes(jax.typeof(jax.lax.axis_index(axis_name)))
+    return axis_names(axis_name) <= varying_axes(jax.typeof(jax.lax.axis_index(axis_name)))
 
 
 def _varies(x: jax.Array, axis_name: AxisName) -> bool:
-    return bool(_names(axis_name) & varying_axes(jax.typeof(x)))
+    return bool(axis_names(axis_name) & varying_axes(jax.typeof(x)))

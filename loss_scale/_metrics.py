@@ -16,12 +16,6 @@ _SCALARS = (
     "growths",
     "backoffs",
     "steps_at_min",
-    "grad_max",
-    "headroom",
-    "grad_peak",
-    "grad_norm",
-    "zero_fraction",
-    "below_normal_fraction",
 )
 
 
@@ -35,10 +29,12 @@ def metrics(opt_state: PyTree, prefix: str = "loss_scale/") -> dict[str, jax.Arr
     Returns:
       ``{prefix + name: scalar}`` for ``scale``, ``skipped``,
       ``skipped_steps``, ``consecutive_skips``, ``good_steps``, ``growths``,
-      ``backoffs``, ``steps_at_min``, ``grad_max`` and, when tracked,
-      ``headroom`` and ``grad_peak`` (``predictive``), ``grad_norm``,
-      ``zero_fraction`` and ``below_normal_fraction``. Works inside ``jit``; pass the result to clu,
-      tensorboardX or wandb as it is.
+      ``backoffs``, ``steps_at_min``, ``grad_max``; when tracked,
+      ``grad_norm``, ``zero_fraction`` and ``below_normal_fraction``; and the
+      rule's own counters by name (``overflows_left`` for ``dynamic``,
+      ``headroom`` and ``grad_peak`` for ``predictive``...). These keys are
+      the stable view of the state. Works inside ``jit``; pass the result to
+      clu, tensorboardX or wandb as it is.
 
     Example:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
@@ -50,7 +46,10 @@ def metrics(opt_state: PyTree, prefix: str = "loss_scale/") -> dict[str, jax.Arr
       (4.0, 1)
     """
     state = find_state(opt_state)
-    return {prefix + name: getattr(state, name) for name in _SCALARS if getattr(state, name) is not None}
+    stats = state.stats._asdict()
+    del stats["nonfinite_leaves"]  # one flag per leaf, not a scalar: see overflow_paths
+    values = {name: getattr(state, name) for name in _SCALARS} | stats | state.counters._asdict()
+    return {prefix + name: value for name, value in values.items() if value is not None}
 
 
 def overflow_paths(opt_state: PyTree, grads_like: PyTree) -> list[str]:
@@ -78,9 +77,9 @@ def overflow_paths(opt_state: PyTree, grads_like: PyTree) -> list[str]:
       ["['dense']['b']"]
     """
     state = find_state(opt_state)
-    if state.nonfinite_leaves is None:
+    if state.stats.nonfinite_leaves is None:
         raise ValueError("overflow_paths needs the transformation built with locate_overflows=True")
-    flags = jax.device_get(state.nonfinite_leaves)
+    flags = jax.device_get(state.stats.nonfinite_leaves)
     paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(grads_like)[0]]
     if len(paths) != flags.shape[0]:
         raise ValueError(f"grads_like has {len(paths)} leaves, the state tracks {flags.shape[0]}")

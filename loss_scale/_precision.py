@@ -28,7 +28,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from loss_scale._transform import dynamic, no_op
+from loss_scale._rules.dynamic import dynamic
+from loss_scale._rules.static import no_op
 from loss_scale._types import PyTree
 
 DTypeLike = Any

@@ -43,6 +43,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from loss_scale._fused import apply_gradients as _apply_gradients
 from loss_scale._grad import find_state as _find_state
 from loss_scale._metrics import metrics as _metrics
 from loss_scale._state import LossScaleState
@@ -207,7 +208,5 @@ def apply_gradients(state: Any, grads: PyTree, **extra_args: Any) -> Any:
       >>> state.params["w"], int(state.step), bool(find_state(state).skipped)
       (Array([1., 1.], dtype=float32), 1, True)
     """
-    from loss_scale._transform import apply_gradients as _apply_gradients
-
     params, opt_state = _apply_gradients(state.tx, grads, state.opt_state, state.params, **extra_args)
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state)

@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import loss_scale as ls
-from loss_scale._tree import gradient_stats
+from loss_scale._check import gradient_stats
 
 SIZES = [1, 3, 4095, 4096, 4097, 8192, 65537, 2**20 + 7]
 REAL = ["float16", "bfloat16", "float32", "float64", "float8_e5m2", "float8_e4m3fn"]

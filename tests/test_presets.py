@@ -33,7 +33,7 @@ import optax
 import pytest
 
 import loss_scale as ls
-from loss_scale._state import FLOAT32_TINY
+from loss_scale._validate import FLOAT32_TINY
 from tests import peer_rules
 
 DATA = pathlib.Path(__file__).parent / "data"
@@ -51,7 +51,7 @@ def _freeze(config: dict) -> tuple:
 def _compiled(preset: str, frozen: tuple):
     """The preset's full transformation over ``LENGTH`` steps, jitted once:
     (scale after each step, state.skipped, parameters unchanged,
-    overflow_budget after each step). ``initial`` replaces the initial scale
+    the hysteresis allowance left after each step). ``initial`` replaces the initial scale
     unless it is nan."""
     tx = getattr(ls.presets, preset)(optax.sgd(1.0), **dict(frozen))
 
@@ -66,7 +66,8 @@ def _compiled(preset: str, frozen: tuple):
             grads = jnp.array([1.0, 1.0]).at[0].set(value) * state.scale
             updates, state = tx.update(grads, state, params)
             new_params = optax.apply_updates(params, updates)
-            out = (state.scale, state.skipped, jnp.all(new_params == params), state.overflow_budget)
+            allowance = getattr(state.counters, "overflows_left", jnp.int32(0))
+            out = (state.scale, state.skipped, jnp.all(new_params == params), allowance)
             return (new_params, state), out
 
         return jax.lax.scan(step, (params, state), injected)[1]
@@ -75,7 +76,7 @@ def _compiled(preset: str, frozen: tuple):
 
 
 def run_preset_full(preset: str, config: dict, overflows, initial: float = math.nan):
-    """(scales, skip flags, overflow budgets) of ``preset`` over ``overflows``
+    """(scales, skip flags, hysteresis allowances) of ``preset`` over ``overflows``
     (padded to LENGTH)."""
     n = len(overflows)
     assert n <= LENGTH
@@ -450,7 +451,7 @@ def test_cerebras_counters_in_the_state():
     state, update = tx.init(jnp.zeros(1)), jax.jit(tx.update)
     for g in [1.0, 1.0, jnp.inf]:
         _, state = update(jnp.array([g]) * state.scale, state)
-    assert (int(state.good_steps), int(state.overflow_budget), float(state.scale)) == (2, 1, 8.0)
+    assert (int(state.good_steps), int(state.counters.overflows), float(state.scale)) == (2, 1, 8.0)
 
 
 _INITIAL = {

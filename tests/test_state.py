@@ -14,27 +14,30 @@ import optax
 import pytest
 
 import loss_scale as ls
-from loss_scale._state import FLOAT32_TINY, DynamicRule, ScaleCounters, StaticRule
+from loss_scale._rules.dynamic import DynamicRule
+from loss_scale._rules.static import fixed
+from loss_scale._validate import FLOAT32_TINY
 from tests import reference_rules
 
 FIXTURE = pathlib.Path(__file__).parent / "data" / "torch_gradscaler.json"
 
 
 def trajectory(rule, overflows, init_scale=None):
-    """(scale, good_steps, overflow_budget) after each step of ``rule``."""
+    """(scale, good_steps, overflows_left) after each step of ``rule``."""
     return [np.asarray(x) for x in traced_trajectory(rule, overflows, init_scale)]
 
 
 def traced_trajectory(rule, overflows, init_scale=None):
-    counters = rule.init()
+    start = rule.init()
     if init_scale is not None:
-        counters = counters._replace(scale=jnp.float32(init_scale))
+        start = start._replace(scale=jnp.float32(init_scale))
 
-    def step(c, overflow):
-        c = rule.adjust(ScaleCounters(*c), jnp.logical_not(overflow))
-        return tuple(c)[:3], tuple(c)[:3]
+    def step(state, overflow):
+        state = rule.adjust(state, jnp.logical_not(overflow), jnp.float32(0))
+        allowance = getattr(state.counters, "overflows_left", jnp.int32(0))
+        return state, (state.scale, state.good_steps, allowance)
 
-    _, out = jax.lax.scan(step, tuple(counters)[:3], jnp.asarray(overflows, bool))
+    _, out = jax.lax.scan(step, start, jnp.asarray(overflows, bool))
     return out
 
 
@@ -96,7 +99,7 @@ def test_settings_below_one_and_infinite_max_are_allowed():
 def test_state_dtypes():
     state = ls.dynamic(optax.sgd(0.1)).init({"w": jnp.zeros(2, jnp.float16)})
     assert state.scale.dtype == jnp.float32 and state.scale.shape == ()
-    for counter in (state.good_steps, state.overflow_budget, state.skipped_steps, state.consecutive_skips):
+    for counter in (state.good_steps, state.counters.overflows_left, state.skipped_steps, state.consecutive_skips):
         assert counter.dtype == jnp.int32 and counter.shape == ()
     assert state.skipped.dtype == jnp.bool_
 
@@ -155,11 +158,12 @@ def test_growth_delay_postpones_the_first_growth_after_start_and_overflow():
     overflows = [False, False, False, False, False, True, False, False, False]
     scales, good, _ = trajectory(rule, overflows)
     np.testing.assert_array_equal(scales, [8, 8, 16, 16, 32, 16, 16, 16, 32])
-    np.testing.assert_array_equal(good, [0, 1, 0, 1, 0, -1, 0, 1, 0])
+    # good_steps counts the clean steps since the last growth or overflow.
+    np.testing.assert_array_equal(good, [1, 2, 0, 1, 0, 0, 1, 2, 0])
 
 
 def test_static_rule_keeps_its_scale_and_counts_clean_steps():
-    scales, good, _ = trajectory(StaticRule(3.0), [False, False, True, False])
+    scales, good, _ = trajectory(fixed(3.0), [False, False, True, False])
     np.testing.assert_array_equal(scales, [3, 3, 3, 3])
     np.testing.assert_array_equal(good, [1, 2, 0, 1])
 

@@ -7,7 +7,8 @@ import optax
 import pytest
 
 import loss_scale as ls
-from loss_scale._tree import gradient_stats, unscale_leaf, unscale_tree
+from loss_scale._check import gradient_stats
+from loss_scale._unscale import unscale_leaf, unscale_tree
 
 
 def leaf_finite_flags(tree, scale):

@@ -1,20 +1,27 @@
-"""Scale rules that ``DynamicRule`` cannot express, for ``loss_scale.presets``.
-
-Each rule follows the protocol of ``_state.DynamicRule``: ``init() ->
-ScaleCounters``, ``adjust(counters, finite, grad_max) -> ScaleCounters`` and a ``floor``
-property, with its configuration validated once at construction and only
-arrays in the counters.
-"""
+"""Cerebras' dynamic loss scaling, with its overflow tolerance
+(``loss_scale.presets.cerebras``)."""
 
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loss_scale._state import ScaleCounters
+from loss_scale._rules import RuleState
+
+
+class CerebrasCounters(NamedTuple):
+    """The Cerebras rule's counters.
+
+    Attributes:
+      overflows: int32, the overflows (tolerated ones included) since the
+        scale last changed.
+    """
+
+    overflows: jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
@@ -38,9 +45,10 @@ class CerebrasRule:
     ``steps_per_increase + 1`` clean steps in a row. Every overflowing step is
     skipped, tolerated or not (the transformation skips on the finite check).
 
-    In the counters, ``good_steps`` holds the clean steps and
-    ``overflow_budget`` the (tolerated) overflows since the last change of the
-    scale, so ``n = good_steps + overflow_budget``.
+    ``good_steps`` holds the clean steps and ``CerebrasCounters.overflows``
+    the (tolerated) overflows since the last change of the scale, so ``n =
+    good_steps + overflows``. Settings are validated by
+    ``presets.cerebras``, which builds the rule.
 
     A growth that would give inf keeps the scale (only possible with
     ``max_scale=inf``; Cerebras would store inf).
@@ -54,19 +62,18 @@ class CerebrasRule:
 
     @property
     def floor(self) -> float:
-        """The lowest scale the rule can reach."""
         return float(np.float32(self.min_scale))
 
-    def init(self) -> ScaleCounters:
-        return ScaleCounters(
+    def init(self) -> RuleState:
+        return RuleState(
             scale=jnp.asarray(self.initial_scale, jnp.float32),
             good_steps=jnp.zeros((), jnp.int32),
-            overflow_budget=jnp.zeros((), jnp.int32),
+            counters=CerebrasCounters(overflows=jnp.zeros((), jnp.int32)),
         )
 
-    def adjust(self, counters: ScaleCounters, finite: jax.Array, grad_max: jax.Array | None = None) -> ScaleCounters:
+    def adjust(self, state: RuleState, finite: jax.Array, grad_max: jax.Array) -> RuleState:
         del grad_max  # a reactive rule
-        scale, clean, overflows = counters.scale, counters.good_steps, counters.overflow_budget
+        scale, clean, (overflows,) = state
         clean = clean + finite.astype(jnp.int32)
         overflows = overflows + jnp.logical_not(finite).astype(jnp.int32)
         steps = clean + overflows
@@ -87,4 +94,4 @@ class CerebrasRule:
         overflows = jnp.where(increase, 0, overflows)
 
         scale = jnp.clip(scale, jnp.float32(self.min_scale), jnp.float32(self.max_scale))
-        return ScaleCounters(scale, clean.astype(jnp.int32), overflows.astype(jnp.int32))
+        return RuleState(scale, clean.astype(jnp.int32), CerebrasCounters(overflows.astype(jnp.int32)))

@@ -1,8 +1,9 @@
-"""Tree utilities: the finite check, unscaling and zeros that the update needs.
+"""The finite check and the gradient statistics: the update's hot path.
 
-Every function here treats only inexact (floating or complex) leaves as
-gradients. Integer and boolean leaves carry no gradient signal and pass
-through untouched; ``None`` and ``optax.MaskedNode`` are empty subtrees.
+One read of every gradient leaf decides whether the step is applied, and
+gives the largest unscaled magnitude (which the predictive rule and the
+metrics use); the optional statistics (norm, underflow fractions) reduce
+over the same values.
 """
 
 from __future__ import annotations
@@ -13,25 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from loss_scale._sharding import axis_names, varying_axes
 from loss_scale._types import AxisName, PyTree
-
-
-def is_float_leaf(x: jax.Array) -> bool:
-    """Whether ``x`` is an array whose values can be scaled (inexact dtype)."""
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
-
-
-def compute_dtype(dtype: jnp.dtype) -> jnp.dtype:
-    """The dtype in which a leaf of ``dtype`` is unscaled: at least float32.
-
-    8- and 16-bit gradients are divided in float32 so that the division
-    itself does not lose precision; float64 and complex stay as they are
-    (float8 formats have no implicit promotion in JAX, hence no
-    ``promote_types``).
-    """
-    if jnp.finfo(dtype).bits < 32:
-        return jnp.dtype(jnp.float32)
-    return jnp.dtype(dtype)
+from loss_scale._unscale import compute_dtype, is_float_leaf, unscale_leaf
 
 
 def _magnitude(x: jax.Array) -> jax.Array:
@@ -93,69 +78,6 @@ def all_finite(tree: PyTree) -> jax.Array:
     """
     flags = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree) if is_float_leaf(x)]
     return jnp.all(jnp.stack(flags)) if flags else jnp.array(True)
-
-
-# Scales above this have a float32 reciprocal below float32's smallest normal.
-_LARGE_SCALE = 2.0**126
-
-
-def unscaled_value(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """``x / scale`` in ``compute_dtype(x.dtype)`` (at least float32), as
-    ``x * (1 / scale)`` with the reciprocal rounded to that dtype: torch's
-    unscale, bit for bit.
-
-    For a scale above 2**126 that reciprocal is a float32 subnormal, which
-    CPUs and GPUs flush to zero; there ``x * (2**64 / scale) * 2**-64`` keeps
-    the reciprocal normal. Its first product is at most ``|x| * 2**-62``, so
-    no intermediate overflows (a split such as ``x * (4 / s) * 0.25`` would,
-    for ``1 < s < 4`` and ``|x|`` near the dtype's largest value).
-    """
-    dtype = compute_dtype(x.dtype)
-    scale = scale.astype(dtype)
-    large = scale > _LARGE_SCALE
-    reciprocal = jnp.where(large, 2.0**64 / scale, 1 / scale)
-    correction = jnp.where(large, 2.0**-64, 1.0).astype(dtype)
-    return x.astype(dtype) * reciprocal * correction
-
-
-def unscale_leaf(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """``x / scale`` computed in at least float32 and returned in ``x.dtype``."""
-    if not is_float_leaf(x):
-        return x
-    return unscaled_value(x, scale).astype(x.dtype)
-
-
-def unscale_tree(tree: PyTree, scale: jax.Array) -> PyTree:
-    """``unscale_leaf`` over every floating leaf of ``tree``."""
-    return jax.tree.map(lambda x: unscale_leaf(x, scale), tree)
-
-
-def varying_axes(x) -> frozenset:
-    """The manual mesh axes (``shard_map``) along which the type ``x`` varies
-    (empty outside ``shard_map`` and with ``check_vma=False``)."""
-    manual = getattr(x, "manual_axis_type", None)
-    if manual is not None:
-        return frozenset(manual.varying)
-    return frozenset(getattr(x, "vma", ()))
-
-
-def match_varying(x: jax.Array, like) -> jax.Array:
-    """``x`` marked as varying along the ``shard_map`` axes ``like`` varies
-    along, so that both branches of a ``lax.cond`` have the same type. Only
-    the type changes, never the values."""
-    missing = varying_axes(like) - varying_axes(jax.typeof(x))
-    if not missing:
-        return x
-    cast = getattr(jax.lax, "pcast", None)
-    if cast is not None:
-        return cast(x, tuple(sorted(missing)), to="varying")
-    return jax.lax.pvary(x, tuple(sorted(missing)))
-
-
-def zeros_like_shapes(shapes: PyTree) -> PyTree:
-    """Zeros with the shapes, dtypes (and ``shard_map`` axis types) of a tree
-    of ``ShapeDtypeStruct``."""
-    return jax.tree.map(lambda s: match_varying(jnp.zeros(s.shape, s.dtype), s), shapes)
 
 
 class GradStats(NamedTuple):
@@ -232,7 +154,7 @@ def gradient_stats(
                     jnp.sum(magnitude < FLOAT16_TINY, dtype=jnp.float32),
                     jnp.float32(x.size),
                 ]
-            sharded = axis_name is not None and bool(_axis_names(axis_name) & varying_axes(jax.typeof(x)))
+            sharded = axis_name is not None and bool(axis_names(axis_name) & varying_axes(jax.typeof(x)))
             sums[sharded].append(jnp.stack(row))
     order, flags, maxima = [], [], []
     for items in groups.values():
@@ -263,21 +185,3 @@ def gradient_stats(
         zeros, tiny, count = totals[width - 3], totals[width - 2], totals[width - 1]
         underflow = jnp.stack([zeros, tiny]) / jnp.maximum(count, 1)
     return GradStats(leaf_finite, grad_max, sq_norm, underflow)
-
-
-def _axis_names(axis_name: AxisName) -> set:
-    return set(axis_name) if isinstance(axis_name, tuple) else {axis_name}
-
-
-def unscale_and_clip_tree(tree: PyTree, scale: jax.Array, clip_factor: jax.Array | None) -> PyTree:
-    """``unscale_tree``, then a multiplication by ``clip_factor`` (a float32
-    scalar, 1 when no clipping is needed) in the same elementwise pass."""
-    if clip_factor is None:
-        return unscale_tree(tree, scale)
-
-    def leaf(x):
-        if not is_float_leaf(x):
-            return x
-        return (unscaled_value(x, scale) * clip_factor.astype(compute_dtype(x.dtype))).astype(x.dtype)
-
-    return jax.tree.map(leaf, tree)

@@ -1,0 +1,69 @@
+"""The rules that move the loss scale, one module each, behind one protocol.
+
+A rule is a frozen dataclass of settings (validated by the function that
+builds it, and kept out of the state so that ``jit`` and checkpoints cannot
+lose them) with two pure functions of arrays:
+
+* ``init()``: the scale and counters at step 0;
+* ``adjust(state, finite, grad_max)``: the scale and counters after a step,
+  given whether the step's unscaled gradients were all finite and their
+  largest magnitude.
+
+Each rule keeps its own counters in a NamedTuple with honest names
+(``DynamicCounters``, ``PredictiveCounters``...). Every rule of the update
+that concerns the scale is in the rule's module:
+
+* ``dynamic.py``: grow after clean runs, back off on overflow, hysteresis
+  (``loss_scale.dynamic``, and the presets of torch, Keras, DeepSpeed,
+  Megatron, Apex, flax and jmp);
+* ``static.py``: a fixed scale (``loss_scale.static``, ``loss_scale.no_op``);
+* ``predictive.py``: aim the scale at the recent gradient peak, with a
+  learned headroom (``loss_scale.predictive``);
+* ``cerebras.py``: Cerebras' overflow tolerance (``presets.cerebras``).
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple, Protocol
+
+import jax
+
+
+class RuleState(NamedTuple):
+    """What a rule reads and writes on every step.
+
+    Attributes:
+      scale: float32, the loss scale.
+      good_steps: int32, the clean steps counted toward the rule's next
+        growth (never negative).
+      counters: the rule's own NamedTuple of arrays.
+    """
+
+    scale: jax.Array
+    good_steps: jax.Array
+    counters: Any
+
+
+class Rule(Protocol):
+    """A scale rule (see the module docstring)."""
+
+    @property
+    def floor(self) -> float:
+        """The lowest scale the rule can reach (0 where it cannot get stuck)."""
+        ...
+
+    def init(self) -> RuleState:
+        """The scale and counters at step 0."""
+        ...
+
+    def adjust(self, state: RuleState, finite: jax.Array, grad_max: jax.Array) -> RuleState:
+        """The scale and counters after a step whose unscaled gradients were
+        all finite (``finite``, a bool scalar) with largest magnitude
+        ``grad_max`` (float32; inf on an overflow)."""
+        ...
+
+
+def select(finite: jax.Array, clean: RuleState, overflow: RuleState) -> RuleState:
+    """``clean`` where the step was finite, ``overflow`` where it was not,
+    field by field (a select, so that ``vmap`` batches it)."""
+    return jax.tree.map(lambda c, o: jax.numpy.where(finite, c, o), clean, overflow)

@@ -1,0 +1,287 @@
+"""Predictive loss scaling: aim the scale at the recent gradient peak
+(``loss_scale.predictive``)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from loss_scale import _validate as validate
+from loss_scale._options import Options, Unpack, settings_from, takes_options
+from loss_scale._rules import RuleState, select
+from loss_scale._transform import LossScaleTransformation, loss_scaled
+
+
+class PredictiveCounters(NamedTuple):
+    """The predictive rule's counters.
+
+    Attributes:
+      headroom: int32, the learned margin H, in powers of two, between the
+        recent gradient peak times the scale and the overflow threshold.
+      grad_peak: float32, the recent peak of the largest unscaled gradient
+        magnitude: a running maximum that halves every ``peak_half_life``
+        steps unless a larger gradient renews it (0 before any measurement).
+      searching: bool, the headroom search is on (until the first overflow
+        after a measurement, H drops by one a clean step).
+      overflow_run: int32, overflows in a row so far (each backs off faster).
+    """
+
+    headroom: jax.Array
+    grad_peak: jax.Array
+    searching: jax.Array
+    overflow_run: jax.Array
+
+
+def _floor_log2(x: jax.Array) -> jax.Array:
+    """``floor(log2(x))`` as int32, exact for positive finite float32 (XLA's
+    log2 is not exact at powers of two)."""
+    return jnp.frexp(x)[1] - 1
+
+
+def _pow2(exponent: jax.Array) -> jax.Array:
+    """``2**exponent`` in float32, exact (0 or inf outside float32's range)."""
+    return jnp.ldexp(jnp.float32(1.0), exponent.astype(jnp.int32))
+
+
+@dataclasses.dataclass(frozen=True)
+class PredictiveRule:
+    """Predictive loss scaling: aim the scale at the recent gradient peak.
+
+    The rule reads ``grad_max``, the largest unscaled gradient magnitude of
+    each step, which the finite check computes anyway. It keeps ``grad_peak``,
+    a running maximum of it that halves every ``peak_half_life`` steps, and a
+    learned ``headroom`` H (an integer, in powers of two), and sets the scale
+    to the power of two at or below ::
+
+        target = overflow_threshold / (grad_peak * 2**H)
+
+    so that the largest scaled gradient seen lately sits H binades below
+    float16's largest value. The float16 values that overflow are often not
+    the parameter gradients but intermediate values of the backward pass
+    (logits, activations), larger by a model-dependent factor; H learns that
+    factor from overflows.
+
+    * Clean step: ``grad_peak = max(grad_max, grad_peak * decay)``; the scale
+      moves to ``target``: downwards at once (backing off *before* the next
+      overflow when the gradients grow), upwards by at most a factor of 2 a
+      step (so that an overflow while growing pins H to within one binade).
+    * First measurement (the first clean step with a non-zero gradient): H
+      becomes the headroom that step had, ``floor(log2(threshold /
+      (grad_max * scale)))``, kept within [``min_headroom``,
+      ``initial_headroom``]: the scale stays where it was verified, or jumps
+      up to the target for ``initial_headroom``, or down to ``min_headroom``'s.
+    * Headroom search: then, until the first overflow, H drops by one on
+      every clean step (the scale climbs a binade a step) down to
+      ``min_headroom``. After it, H drops by one after every
+      ``headroom_interval`` clean steps in a row, probing for a smaller
+      margin; each probe may cost one skipped step, so they are rare.
+    * Overflow, the first of a run: H becomes one more than the headroom the
+      scale had, ``max(H, floor(log2(threshold / (grad_peak * scale)))) +
+      1``, and the scale moves to the new target (at least halving). The
+      overflow that ends the search adds two: its climb left the scale within
+      a binade of the edge, so one binade to get below it and one of margin.
+      Before any measurement there is nothing to learn from: the scale
+      drops to ``min_scale``, and the first measurement sets it.
+    * Further overflows in a row (the gradients jumped, or the data is bad):
+      H is left alone and the scale backs off faster each time, by 2, 4, 16,
+      256, ... (15 binades in four skips, where halving needs 15); the climb
+      back is a binade a step.
+
+    ``good_steps`` counts the clean steps since H last changed (toward the
+    next relaxation). Settings are validated by ``predictive``, which builds
+    the rule.
+    """
+
+    initial_scale: float = 2.0**15
+    initial_headroom: int = 12
+    min_headroom: int = 1
+    headroom_interval: int = 20000
+    peak_half_life: float = 100.0
+    min_scale: float = 1.0
+    max_scale: float = 2.0**24
+    overflow_threshold: float = 65504.0
+
+    @property
+    def floor(self) -> float:
+        return float(np.float32(self.min_scale))
+
+    def init(self) -> RuleState:
+        return RuleState(
+            scale=jnp.asarray(self.initial_scale, jnp.float32),
+            good_steps=jnp.zeros((), jnp.int32),
+            counters=PredictiveCounters(
+                headroom=jnp.asarray(self.initial_headroom, jnp.int32),
+                grad_peak=jnp.zeros((), jnp.float32),
+                searching=jnp.ones((), jnp.bool_),
+                overflow_run=jnp.zeros((), jnp.int32),
+            ),
+        )
+
+    def _room(self, magnitude: jax.Array) -> jax.Array:
+        """``floor(log2(threshold / magnitude))``, int32; large for 0 or a
+        subnormal magnitude."""
+        room = jnp.float32(self.overflow_threshold) / magnitude
+        return jnp.where(jnp.isfinite(room), _floor_log2(room), 1000)
+
+    def _clamp(self, scale: jax.Array, fallback: jax.Array) -> jax.Array:
+        scale = jnp.clip(scale, jnp.float32(self.min_scale), jnp.float32(self.max_scale))
+        # A scale of inf would turn every loss into inf (max_scale may be inf).
+        return jnp.where(jnp.isfinite(scale), scale, fallback)
+
+    def target(self, peak: jax.Array, headroom: jax.Array) -> jax.Array:
+        """The power of two at or below ``threshold / (peak * 2**headroom)``."""
+        return _pow2(jnp.clip(self._room(peak) - headroom, -200, 200))
+
+    def adjust(self, state: RuleState, finite: jax.Array, grad_max: jax.Array) -> RuleState:
+        scale, good_steps, counters = state
+        headroom, peak, searching, run_so_far = counters
+        known = peak > 0  # a clean step with a non-zero gradient was seen
+
+        # Clean step.
+        grad_max = jnp.where(finite, grad_max, 0)
+        new_peak = jnp.maximum(grad_max, peak * jnp.float32(2.0 ** (-1.0 / self.peak_half_life)))
+        clean_steps = good_steps + 1
+        relax = (searching & known) | (clean_steps >= self.headroom_interval)
+        clean_headroom = jnp.where(relax, jnp.maximum(headroom - 1, self.min_headroom), headroom)
+        # The first measurement: no more headroom than this step had.
+        had_now = self._room(grad_max * scale)
+        first_headroom = jnp.maximum(jnp.minimum(clean_headroom, had_now), self.min_headroom)
+        clean_headroom = jnp.where(known, clean_headroom, first_headroom)
+        target = self.target(new_peak, clean_headroom)
+        target = jnp.where(known, jnp.minimum(target, scale * 2), target)
+        clean = RuleState(
+            scale=self._clamp(jnp.where(new_peak > 0, target, scale), scale),
+            good_steps=jnp.where(relax, 0, clean_steps).astype(jnp.int32),
+            counters=PredictiveCounters(
+                headroom=jnp.where(new_peak > 0, clean_headroom, headroom).astype(jnp.int32),
+                grad_peak=new_peak,
+                searching=searching,
+                overflow_run=jnp.zeros((), jnp.int32),
+            ),
+        )
+
+        # Overflow.
+        first = run_so_far == 0
+        had = self._room(peak * scale)
+        # The search leaves the scale at the edge: two binades, one to be
+        # below it and one of margin. Later overflows add one.
+        learned = jnp.where(first & known, jnp.maximum(headroom, had) + 1 + searching.astype(jnp.int32), headroom)
+        # The n-th overflow in a row backs off by 2**-(2**(n-1)): 2, 4, 16, 256, ...
+        run = run_so_far + 1
+        shrunk = scale * _pow2(-jnp.left_shift(1, jnp.minimum(run - 1, 7)))
+        shrunk = jnp.where(first & known, jnp.minimum(shrunk, self.target(peak, learned)), shrunk)
+        shrunk = jnp.where(known, shrunk, jnp.float32(self.min_scale))
+        overflow = RuleState(
+            scale=self._clamp(shrunk, jnp.float32(self.min_scale)),
+            good_steps=jnp.zeros((), jnp.int32),
+            counters=PredictiveCounters(
+                headroom=learned.astype(jnp.int32),
+                grad_peak=peak,
+                searching=searching & ~known,
+                overflow_run=run.astype(jnp.int32),
+            ),
+        )
+        return select(finite, clean, overflow)
+
+
+@takes_options()
+def predictive(
+    inner: optax.GradientTransformation,
+    initial_scale: float = 2.0**15,
+    min_headroom: int = 1,
+    headroom_interval: int = 20000,
+    peak_half_life: float = 100.0,
+    min_scale: float = 1.0,
+    max_scale: float = 2.0**24,
+    initial_headroom: int = 12,
+    compute_dtype: Any = "float16",
+    **options: Unpack[Options],
+) -> LossScaleTransformation:
+    """Loss scaling that aims the scale at the recent gradient peak.
+
+    The update is ``dynamic``'s (unscale in float32, check, skip the whole
+    inner update on overflow); only the rule that moves the scale differs.
+    Where ``dynamic`` reacts (it halves after an overflow and doubles after
+    ``growth_interval`` clean steps), this rule predicts: from the largest
+    gradient magnitude of every step, which the finite check computes anyway,
+    it keeps a running peak (``grad_peak``, halving every ``peak_half_life``
+    steps) and sets the scale to the power of two that puts that peak
+    ``headroom`` binades below the largest float16 value. The scale follows
+    the gradients down and up within steps, so it backs off before a slow
+    rise of the gradients overflows and grows as soon as they shrink.
+
+    The headroom learns how much larger than the parameter gradients the
+    float16 values of the backward pass get. The first clean step measures
+    how far below the float16 maximum its gradients were (at most
+    ``initial_headroom`` counts); from there the scale climbs one binade a
+    clean step until the first overflow, which sets the headroom two binades
+    above what the scale had then (one skipped step), or until
+    ``min_headroom`` is reached. After that the headroom drops by one every
+    ``headroom_interval`` clean steps (a probe that may cost a skip; torch's
+    rule probes every 2000 steps). Overflows in a row back off by 2, 4, 16,
+    256, ...; an overflow before any clean step drops the scale to
+    ``min_scale``. Every rule of the update is in
+    ``loss_scale/_rules/predictive.py``'s ``PredictiveRule``.
+
+    Args:
+      inner: the optimizer to wrap.
+      initial_scale: the scale of the first step (as ``dynamic``'s).
+      min_headroom: the smallest margin, in powers of two, kept between the
+        predicted largest scaled value and the dtype's largest value.
+      headroom_interval: clean steps in a row after which the headroom drops
+        by one, >= 1.
+      peak_half_life: steps over which a past gradient peak counts half as
+        much, >= 1.
+      min_scale: floor of the scale, > 0.
+      max_scale: ceiling of the scale, may be ``inf``.
+      initial_headroom: the most headroom the first measurement keeps,
+        >= ``min_headroom``: an upper bound on how much larger than the
+        parameter gradients the backward pass's values may get.
+      compute_dtype: the dtype of the backward pass, whose largest value is
+        the overflow threshold (float16: 65504).
+      **options: the keyword options below.
+
+    Returns:
+      A ``LossScaleTransformation`` whose state is a ``LossScaleState`` with
+      ``PredictiveCounters`` (``headroom``, ``grad_peak``, ...).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, loss_scale as ls
+      >>> tx = ls.predictive(optax.sgd(0.1))
+      >>> state = tx.init(jnp.zeros(2))
+      >>> for _ in range(3):  # gradients of loss * scale; the largest unscaled one is 2**-8
+      ...     _, state = tx.update(jnp.array([2.0**-8, 0.0]) * state.scale, state)
+      ...     print(float(state.scale), int(state.headroom))
+      32768.0 8
+      65536.0 7
+      131072.0 6
+    """
+    initial = validate.scale("initial_scale", initial_scale)
+    minimum = validate.scale("min_scale", min_scale)
+    maximum = validate.scale("max_scale", max_scale, allow_inf=True)
+    validate.scale_bounds(("initial_scale", initial), ("min_scale", minimum), ("max_scale", maximum))
+    lowest = validate.count("min_headroom", min_headroom, -64, 64)
+    first = validate.count("initial_headroom", initial_headroom, -64, 64)
+    if first < lowest:
+        raise ValueError(f"initial_headroom ({initial_headroom!r}) must be >= min_headroom ({min_headroom!r})")
+    half_life = validate.real("peak_half_life", peak_half_life)
+    if not 1 <= half_life < math.inf:
+        raise ValueError(f"peak_half_life must be finite and >= 1 step, got {peak_half_life!r}")
+    dtype = validate.floating_dtype("compute_dtype", compute_dtype)
+    rule = PredictiveRule(
+        initial_scale=initial,
+        initial_headroom=first,
+        min_headroom=lowest,
+        headroom_interval=validate.count("headroom_interval", headroom_interval),
+        peak_half_life=half_life,
+        min_scale=minimum,
+        max_scale=maximum,
+        overflow_threshold=min(float(jnp.finfo(dtype).max), validate.FLOAT32_MAX),
+    )
+    return loss_scaled(inner, rule, settings_from("predictive", options))

@@ -1,0 +1,80 @@
+"""Dividing gradients by the loss scale, in at least float32.
+
+Only inexact (floating or complex) leaves are gradients. Integer and boolean
+leaves carry no gradient signal and pass through untouched; ``None`` and
+``optax.MaskedNode`` are empty subtrees.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from loss_scale._types import PyTree
+
+
+def is_float_leaf(x: jax.Array) -> bool:
+    """Whether ``x`` is an array whose values can be scaled (inexact dtype)."""
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
+
+
+def compute_dtype(dtype: jnp.dtype) -> jnp.dtype:
+    """The dtype in which a leaf of ``dtype`` is unscaled: at least float32.
+
+    8- and 16-bit gradients are divided in float32 so that the division
+    itself does not lose precision; float64 and complex stay as they are
+    (float8 formats have no implicit promotion in JAX, hence no
+    ``promote_types``).
+    """
+    if jnp.finfo(dtype).bits < 32:
+        return jnp.dtype(jnp.float32)
+    return jnp.dtype(dtype)
+
+
+# Scales above this have a float32 reciprocal below float32's smallest normal.
+_LARGE_SCALE = 2.0**126
+
+
+def unscaled_value(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """``x / scale`` in ``compute_dtype(x.dtype)`` (at least float32), as
+    ``x * (1 / scale)`` with the reciprocal rounded to that dtype: torch's
+    unscale, bit for bit.
+
+    For a scale above 2**126 that reciprocal is a float32 subnormal, which
+    CPUs and GPUs flush to zero; there ``x * (2**64 / scale) * 2**-64`` keeps
+    the reciprocal normal. Its first product is at most ``|x| * 2**-62``, so
+    no intermediate overflows (a split such as ``x * (4 / s) * 0.25`` would,
+    for ``1 < s < 4`` and ``|x|`` near the dtype's largest value).
+    """
+    dtype = compute_dtype(x.dtype)
+    scale = scale.astype(dtype)
+    large = scale > _LARGE_SCALE
+    reciprocal = jnp.where(large, 2.0**64 / scale, 1 / scale)
+    correction = jnp.where(large, 2.0**-64, 1.0).astype(dtype)
+    return x.astype(dtype) * reciprocal * correction
+
+
+def unscale_leaf(x: jax.Array, scale: jax.Array) -> jax.Array:
+    """``x / scale`` computed in at least float32 and returned in ``x.dtype``."""
+    if not is_float_leaf(x):
+        return x
+    return unscaled_value(x, scale).astype(x.dtype)
+
+
+def unscale_tree(tree: PyTree, scale: jax.Array) -> PyTree:
+    """``unscale_leaf`` over every floating leaf of ``tree``."""
+    return jax.tree.map(lambda x: unscale_leaf(x, scale), tree)
+
+
+def unscale_and_clip_tree(tree: PyTree, scale: jax.Array, clip_factor: jax.Array | None) -> PyTree:
+    """``unscale_tree``, then a multiplication by ``clip_factor`` (a float32
+    scalar, 1 when no clipping is needed) in the same elementwise pass."""
+    if clip_factor is None:
+        return unscale_tree(tree, scale)
+
+    def leaf(x):
+        if not is_float_leaf(x):
+            return x
+        return (unscaled_value(x, scale) * clip_factor.astype(compute_dtype(x.dtype))).astype(x.dtype)
+
+    return jax.tree.map(leaf, tree)
