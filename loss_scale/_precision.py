@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from loss_scale import _validate as validate
 from loss_scale._rules.dynamic import dynamic
 from loss_scale._rules.static import no_op
 from loss_scale._types import PyTree
@@ -67,16 +68,7 @@ def _as_dtype(value: DTypeLike, what: str) -> np.dtype:
     """A floating numpy dtype from a dtype, a dtype name or a short name."""
     if isinstance(value, str):
         return _dtype_from_name(value, what)
-    if value is None:
-        # np.dtype(None) is float64: never what a missing dtype means.
-        raise TypeError(f"{what} must be a dtype or a dtype name, got None")
-    try:
-        dtype = np.dtype(value)
-    except TypeError:
-        raise TypeError(f"{what} must be a dtype or a dtype name, got {value!r}") from None
-    if not jnp.issubdtype(dtype, jnp.floating):
-        raise ValueError(f"{what} must be a floating dtype, got {dtype}")
-    return dtype
+    return validate.floating_dtype(what, value)
 
 
 def _cast_floating(tree: PyTree, dtype: np.dtype) -> PyTree:

@@ -171,14 +171,14 @@ def scale_bounds(initial: tuple[str, float], minimum: tuple[str, float], maximum
 
 
 def floating_dtype(name: str, value: Any) -> np.dtype:
-    """A floating dtype, from a dtype, a scalar type or a name; ``None`` is
-    refused (NumPy would read it as float64)."""
+    """A floating dtype, from a dtype, a scalar type or a NumPy name;
+    ``None`` is refused (NumPy would read it as float64)."""
     if value is None:
-        raise TypeError(f"{name} must be a floating dtype (e.g. 'float16'), got None")
+        raise TypeError(f"{name} must be a dtype or a dtype name, got None")
     try:
         dtype = np.dtype(value)
     except TypeError:
-        raise TypeError(f"{name} must be a floating dtype (e.g. 'float16'), got {value!r}") from None
+        raise TypeError(f"{name} must be a dtype or a dtype name, got {value!r}") from None
     if not jnp.issubdtype(dtype, jnp.floating):
-        raise TypeError(f"{name} must be a floating dtype (e.g. 'float16'), got {dtype}")
+        raise ValueError(f"{name} must be a floating dtype, got {dtype}")
     return dtype

@@ -52,7 +52,7 @@ def run_rule(rule, grad_maxes, finite=None):
         ({"initial_scale": 0.5}, "initial_scale must lie in"),
         ({"min_scale": 0.0}, "min_scale must be finite and > 0"),
         ({"compute_dtype": "int8"}, "compute_dtype must be a floating dtype"),
-        ({"compute_dtype": "no-such-dtype"}, "compute_dtype must be a floating dtype"),
+        ({"compute_dtype": "no-such-dtype"}, "compute_dtype must be a dtype or a dtype name"),
     ],
 )
 def test_bad_settings_are_named_at_construction(kwargs, match):
