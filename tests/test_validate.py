@@ -120,7 +120,7 @@ FACTORIES = {
             "track_underflow": flag,
         },
         {"initial_scale": 2.0**15, "min_scale": 1.0, "max_scale": 2.0**24},
-        lambda a: f32(a["min_scale"]) <= f32(a["initial_scale"]) <= a["max_scale"],
+        lambda a: f32(a["min_scale"]) <= f32(a["initial_scale"]) <= f32(a["max_scale"]),
     ),
     "predictive": (
         ls.predictive,
@@ -135,7 +135,7 @@ FACTORIES = {
         },
         {"initial_scale": 2.0**15, "min_scale": 1.0, "max_scale": 2.0**24, "min_headroom": 1, "initial_headroom": 12},
         lambda a: (
-            f32(a["min_scale"]) <= f32(a["initial_scale"]) <= a["max_scale"]
+            f32(a["min_scale"]) <= f32(a["initial_scale"]) <= f32(a["max_scale"])
             and a["initial_headroom"] >= a["min_headroom"]
         ),
     ),
