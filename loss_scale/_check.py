@@ -28,8 +28,9 @@ def _magnitude(x: jax.Array) -> jax.Array:
     return jnp.abs(x)
 
 
-def peak_and_finite(x: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """``(max|x|, all(isfinite(x)))`` of one floating leaf, in one pass.
+def peak_and_finite(x: jax.Array, axes: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array]:
+    """``(max|x|, all(isfinite(x)))`` over ``axes`` (all of them by default)
+    of a floating array, in one pass.
 
     One variadic reduction reads each element once and yields both. The
     finite flag comes from ``isfinite`` and a logical and, whose results IEEE
@@ -45,9 +46,8 @@ def peak_and_finite(x: jax.Array) -> tuple[jax.Array, jax.Array]:
     """
     magnitude = _magnitude(x)
     zero = jnp.zeros((), magnitude.dtype)
-    peak, finite = jax.lax.reduce(
-        (magnitude, jnp.isfinite(x)), (zero, jnp.array(True)), _max_and_all, tuple(range(x.ndim))
-    )
+    axes = tuple(range(x.ndim)) if axes is None else axes
+    peak, finite = jax.lax.reduce((magnitude, jnp.isfinite(x)), (zero, jnp.array(True)), _max_and_all, axes)
     return peak, finite
 
 
@@ -104,6 +104,53 @@ class GradStats(NamedTuple):
 FLOAT16_TINY = float(jnp.finfo(jnp.float16).tiny)
 
 
+# Leaves of at most this many elements are checked together, a few per
+# reduction: a reduction per leaf is one kernel (and on XLA:CPU about 2 ms of
+# compile time) each, which dominates for trees of many small leaves (biases,
+# norms). The bound is below the HLO budget's parameter-sized buffers, so
+# that the copy that batches them is never a pass over a large buffer.
+SMALL_LEAF = 2**14
+
+
+class _Batch(NamedTuple):
+    """Leaves checked by one set of reductions: ``values[j]`` holds leaf
+    ``indices[j]``, flattened and padded with zeros to the batch's width
+    (zeros are finite, do not raise the peak and add nothing to a norm;
+    ``padding`` counts them per row)."""
+
+    indices: list[int]
+    values: jax.Array
+    padding: np.ndarray
+    sharded: bool
+
+
+def _batches(leaves: list, axis_name: AxisName | None) -> list[_Batch]:
+    """Big leaves one by one (as a row, a free reshape); small leaves of the
+    same dtype, ``shard_map`` axis type and power-of-two size class stacked
+    into one array."""
+    batches, buckets = [], {}
+    for i, x in enumerate(leaves):
+        if not is_float_leaf(x):
+            continue
+        varying = varying_axes(jax.typeof(x))
+        sharded = axis_name is not None and bool(axis_names(axis_name) & varying)
+        if x.size > SMALL_LEAF:
+            batches.append(_Batch([i], x.reshape(1, -1), np.zeros(1), sharded))
+        else:
+            width = 1 << max(x.size - 1, 0).bit_length()
+            buckets.setdefault((x.dtype, varying, width), []).append(i)
+    for (_, _, width), indices in buckets.items():
+        rows = [leaves[i].reshape(-1) for i in indices]
+        if len(rows) == 1:
+            values, padding = rows[0].reshape(1, -1), np.zeros(1)
+        else:
+            values = jnp.stack([jnp.pad(row, (0, width - row.size)) for row in rows])
+            padding = np.array([width - row.size for row in rows], np.float32)
+        sharded = axis_name is not None and bool(axis_names(axis_name) & varying_axes(jax.typeof(values)))
+        batches.append(_Batch(indices, values, padding, sharded))
+    return batches
+
+
 def gradient_stats(
     tree: PyTree,
     scale: jax.Array,
@@ -114,9 +161,10 @@ def gradient_stats(
     """The finite check, the largest magnitude and optionally the norm and
     the underflow fractions.
 
-    Each floating leaf is read once by ``peak_and_finite``; the optional
-    statistics add reductions over the same values (XLA can fuse them into
-    one read, but that depends on the backend).
+    Each floating leaf is read once by ``peak_and_finite`` (small leaves a
+    few at a time, see ``SMALL_LEAF``); the optional statistics add
+    reductions over the same values (XLA can fuse them into one read, but
+    that depends on the backend).
 
     A leaf is finite once unscaled exactly when its elements are finite and
     its peak, unscaled as the elements are (in at least float32, then back to
@@ -131,36 +179,35 @@ def gradient_stats(
     others are replicated, and counted once.
     """
     leaves = jax.tree.leaves(tree)
-    # Each leaf's max|x|, grouped by dtype and unscaled one group at a time:
-    # one vector op per dtype rather than one scalar op (one GPU kernel) per leaf.
-    groups: dict[jnp.dtype, list[tuple[int, jax.Array, jax.Array]]] = {}
-    # Per-leaf sums (square norm, zeros, below float16's normal, elements),
-    # split by whether they are summed over the axis.
+    # Peaks grouped by dtype and unscaled one group at a time: one vector op
+    # per dtype rather than one scalar op (one GPU kernel) per leaf.
+    groups: dict[jnp.dtype, list[tuple[list[int], jax.Array, jax.Array]]] = {}
+    # Sums (square norm, zeros, below float16's normal, elements), split by
+    # whether they are added up over the axis.
     sums = {False: [], True: []}
-    for i, x in enumerate(leaves):
-        if not is_float_leaf(x):
-            continue
-        peak, finite = peak_and_finite(x)
-        groups.setdefault(peak.dtype, []).append((i, peak, finite))
+    for batch in _batches(leaves, axis_name):
+        values = batch.values
+        peak, finite = peak_and_finite(values, (1,))
+        groups.setdefault(peak.dtype, []).append((batch.indices, peak, finite))
         if with_norm or with_underflow:
             row = []
             if with_norm:
-                unscaled = unscale_leaf(x, scale).astype(compute_dtype(x.dtype))  # as the inner sees it
-                row.append(jnp.sum(jnp.real(unscaled * jnp.conj(unscaled))).astype(jnp.float32))
+                unscaled = unscale_leaf(values, scale).astype(compute_dtype(values.dtype))  # as the inner sees it
+                row.append(jnp.sum(jnp.real(unscaled * jnp.conj(unscaled)), dtype=jnp.float32))
             if with_underflow:
-                magnitude = _magnitude(x)
+                magnitude = _magnitude(values)
+                pad = float(batch.padding.sum())
                 row += [
-                    jnp.sum(magnitude == 0, dtype=jnp.float32),
-                    jnp.sum(magnitude < FLOAT16_TINY, dtype=jnp.float32),
-                    jnp.float32(x.size),
+                    jnp.sum(magnitude == 0, dtype=jnp.float32) - pad,
+                    jnp.sum(magnitude < FLOAT16_TINY, dtype=jnp.float32) - pad,
+                    jnp.float32(values.size - pad),
                 ]
-            sharded = axis_name is not None and bool(axis_names(axis_name) & varying_axes(jax.typeof(x)))
-            sums[sharded].append(jnp.stack(row))
+            sums[batch.sharded].append(jnp.stack(row))
     order, flags, maxima = [], [], []
     for items in groups.values():
-        unscaled = unscale_leaf(jnp.stack([peak for _, peak, _ in items]), scale)
-        finite = jnp.stack([finite for _, _, finite in items]) & jnp.isfinite(unscaled)
-        order += [i for i, _, _ in items]
+        unscaled = unscale_leaf(jnp.concatenate([peak for _, peak, _ in items]), scale)
+        finite = jnp.concatenate([finite for _, _, finite in items]) & jnp.isfinite(unscaled)
+        order += [i for indices, _, _ in items for i in indices]
         flags.append(finite)
         maxima.append(jnp.where(finite, unscaled.astype(jnp.float32), jnp.inf))
     taken = set(order)

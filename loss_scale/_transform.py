@@ -28,7 +28,7 @@ from loss_scale._rules import Rule
 from loss_scale._sharding import match_varying, zeros_like_shapes
 from loss_scale._state import LossScaleState, StepStats, init_state, next_state
 from loss_scale._types import PyTree
-from loss_scale._unscale import unscale_and_clip_tree, unscale_tree
+from loss_scale._unscale import unscale_tree
 
 
 class LossScaleTransformation(optax.GradientTransformationExtraArgs):
@@ -197,7 +197,7 @@ def loss_scaled(inner: Any, rule: Rule, options: Settings) -> LossScaleTransform
         def apply(grads, inner_state, params):
             # The unscale (and clip) sits inside the taken branch, where XLA
             # fuses it with the inner optimizer's elementwise pass.
-            return inner_step(unscale_and_clip_tree(grads, scale, clip_factor), inner_state, params)
+            return inner_step(unscale_tree(grads, scale, clip_factor), inner_state, params)
 
         out_shapes = jax.eval_shape(apply, grads, state.inner_state, params)
         _skipped_inner_state(state.inner_state, out_shapes[1])  # raises here, outside the cond, if it must

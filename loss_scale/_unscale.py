@@ -35,7 +35,18 @@ def compute_dtype(dtype: jnp.dtype) -> jnp.dtype:
 _LARGE_SCALE = 2.0**126
 
 
-def unscaled_value(x: jax.Array, scale: jax.Array) -> jax.Array:
+def _factors(scale: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
+    """``(reciprocal, correction)`` with ``x / scale == x * reciprocal *
+    correction`` in ``dtype`` (see ``unscaled_value``): scalars, computed once
+    per dtype of a tree rather than once per leaf."""
+    scale = scale.astype(dtype)
+    large = scale > _LARGE_SCALE
+    reciprocal = jnp.where(large, 2.0**64 / scale, 1 / scale)
+    correction = jnp.where(large, 2.0**-64, 1.0).astype(dtype)
+    return reciprocal, correction
+
+
+def unscaled_value(x: jax.Array, scale: jax.Array, factors: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
     """``x / scale`` in ``compute_dtype(x.dtype)`` (at least float32), as
     ``x * (1 / scale)`` with the reciprocal rounded to that dtype: torch's
     unscale, bit for bit.
@@ -45,12 +56,11 @@ def unscaled_value(x: jax.Array, scale: jax.Array) -> jax.Array:
     the reciprocal normal. Its first product is at most ``|x| * 2**-62``, so
     no intermediate overflows (a split such as ``x * (4 / s) * 0.25`` would,
     for ``1 < s < 4`` and ``|x|`` near the dtype's largest value).
+    ``factors``, from ``_factors(scale, compute_dtype(x.dtype))``, saves
+    recomputing them.
     """
     dtype = compute_dtype(x.dtype)
-    scale = scale.astype(dtype)
-    large = scale > _LARGE_SCALE
-    reciprocal = jnp.where(large, 2.0**64 / scale, 1 / scale)
-    correction = jnp.where(large, 2.0**-64, 1.0).astype(dtype)
+    reciprocal, correction = factors if factors is not None else _factors(scale, dtype)
     return x.astype(dtype) * reciprocal * correction
 
 
@@ -61,20 +71,21 @@ def unscale_leaf(x: jax.Array, scale: jax.Array) -> jax.Array:
     return unscaled_value(x, scale).astype(x.dtype)
 
 
-def unscale_tree(tree: PyTree, scale: jax.Array) -> PyTree:
-    """``unscale_leaf`` over every floating leaf of ``tree``."""
-    return jax.tree.map(lambda x: unscale_leaf(x, scale), tree)
-
-
-def unscale_and_clip_tree(tree: PyTree, scale: jax.Array, clip_factor: jax.Array | None) -> PyTree:
-    """``unscale_tree``, then a multiplication by ``clip_factor`` (a float32
-    scalar, 1 when no clipping is needed) in the same elementwise pass."""
-    if clip_factor is None:
-        return unscale_tree(tree, scale)
+def unscale_tree(tree: PyTree, scale: jax.Array, clip_factor: jax.Array | None = None) -> PyTree:
+    """``unscale_leaf`` over every floating leaf of ``tree``, then, with
+    ``clip_factor`` (a float32 scalar, 1 when no clipping is needed), a
+    multiplication by it in the same elementwise pass."""
+    factors: dict[jnp.dtype, tuple[jax.Array, jax.Array]] = {}
 
     def leaf(x):
         if not is_float_leaf(x):
             return x
-        return (unscaled_value(x, scale) * clip_factor.astype(compute_dtype(x.dtype))).astype(x.dtype)
+        dtype = compute_dtype(x.dtype)
+        if dtype not in factors:
+            factors[dtype] = _factors(scale, dtype)
+        value = unscaled_value(x, scale, factors[dtype])
+        if clip_factor is not None:
+            value = value * clip_factor.astype(dtype)
+        return value.astype(x.dtype)
 
     return jax.tree.map(leaf, tree)

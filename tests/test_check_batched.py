@@ -1,0 +1,90 @@
+"""The check over trees of many small leaves, which it reduces a few at a
+time (stacked and zero-padded), against numpy leaf by leaf: flags, the
+largest magnitude, the norm and the underflow fractions."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from loss_scale._check import SMALL_LEAF, gradient_stats
+
+F16_TINY = float(np.finfo(np.float16).tiny)
+
+
+def numpy_stats(leaves, scale):
+    """The obvious implementation: every statistic of every leaf, in float64."""
+    finite, peaks, squares, zeros, tiny, count = [], [], 0.0, 0, 0, 0
+    for x in leaves:
+        if not jnp.issubdtype(x.dtype, jnp.floating):  # numpy does not count bfloat16 as floating
+            finite.append(True)
+            continue
+        unscaled = (x.astype(np.float32) * np.float32(1 / np.float64(np.float32(scale)))).astype(x.dtype)
+        ok = bool(np.isfinite(unscaled).all())
+        finite.append(ok)
+        peaks.append(float(np.max(np.abs(unscaled.astype(np.float64)))) if ok and x.size else (0.0 if ok else np.inf))
+        squares += float(np.sum(unscaled.astype(np.float64) ** 2))
+        magnitude = np.abs(x.astype(np.float64))
+        zeros += int(np.sum(magnitude == 0))
+        tiny += int(np.sum(magnitude < F16_TINY))
+        count += x.size
+    return finite, max(peaks, default=0.0), squares, (zeros / max(count, 1), tiny / max(count, 1))
+
+
+def make_leaves(sizes, dtypes, poison, seed):
+    rng = np.random.default_rng(seed)
+    leaves = []
+    for i, (size, dtype) in enumerate(zip(sizes, dtypes, strict=True)):
+        if dtype == "int32":
+            leaves.append(np.arange(size, dtype=np.int32))
+            continue
+        x = (rng.normal(size=size) * 10.0 ** rng.integers(-9, 3)).astype(dtype)
+        x[rng.random(size) < 0.2] = 0
+        if i in poison and size:
+            x[rng.integers(size)] = poison[i]
+        leaves.append(x)
+    return leaves
+
+
+def check(leaves, scale):
+    stats = jax.jit(gradient_stats, static_argnums=(2, 3))([jnp.asarray(x) for x in leaves], jnp.float32(scale), True, True)
+    finite, peak, squares, underflow = numpy_stats(leaves, scale)
+    assert list(np.asarray(stats.leaf_finite)) == finite
+    if all(finite):
+        np.testing.assert_allclose(float(stats.grad_max), peak, rtol=1e-6)
+        np.testing.assert_allclose(float(stats.sq_norm), squares, rtol=1e-4)
+    else:
+        assert float(stats.grad_max) == np.inf
+    np.testing.assert_allclose(np.asarray(stats.underflow), underflow, rtol=1e-6)
+
+
+def test_many_small_leaves_of_mixed_sizes_and_dtypes():
+    rng = np.random.default_rng(0)
+    sizes = [int(s) for s in rng.integers(0, 3000, size=120)] + [SMALL_LEAF, SMALL_LEAF + 1, 1, 1, 7]
+    dtypes = [rng.choice(["float32", "float16", "bfloat16", "int32"]) for _ in sizes]
+    leaves = make_leaves(sizes, dtypes, {}, 1)
+    check(leaves, 2.0**10)
+    for kind in [np.nan, np.inf, -np.inf]:
+        poisoned = {int(i): kind for i in rng.choice(len(sizes), size=3, replace=False)}
+        check(make_leaves(sizes, dtypes, poisoned, 1), 2.0**10)
+
+
+@settings(max_examples=30, deadline=None)
+@given(
+    sizes=st.lists(st.integers(0, 300), min_size=1, max_size=25),
+    data=st.data(),
+    scale=st.sampled_from([0.5, 1.0, 2.0**12]),
+)
+def test_hypothesis_batched_statistics_equal_numpy(sizes, data, scale):
+    dtypes = data.draw(st.lists(st.sampled_from(["float32", "float16"]), min_size=len(sizes), max_size=len(sizes)))
+    poison = data.draw(st.dictionaries(st.integers(0, len(sizes) - 1), st.sampled_from([np.nan, np.inf]), max_size=2))
+    check(make_leaves(sizes, dtypes, poison, len(sizes)), scale)
+
+
+@pytest.mark.parametrize("scale", [0.25, 1.0])
+def test_a_small_leaf_that_overflows_only_once_unscaled_is_found_among_many(scale):
+    leaves = [np.ones(64, np.float16) for _ in range(50)]
+    leaves[17] = np.full(64, 60000.0, np.float16)  # x / 0.25 overflows float16
+    check(leaves, scale)
