@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Any
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -199,8 +200,16 @@ def loss_scaled(inner: Any, rule: Rule, options: Settings) -> LossScaleTransform
             # fuses it with the inner optimizer's elementwise pass.
             return inner_step(unscale_tree(grads, scale, clip_factor), inner_state, params)
 
-        out_shapes = jax.eval_shape(apply, grads, state.inner_state, params)
+        # Traced once: the jaxpr gives the skip branch its shapes and the taken
+        # branch its computation (tracing the inner update twice doubles the
+        # trace time of a many-leaf tree).
+        traced, out_shapes = jax.make_jaxpr(apply, return_shape=True)(grads, state.inner_state, params)
         _skipped_inner_state(state.inner_state, out_shapes[1])  # raises here, outside the cond, if it must
+        run_traced = jax.extend.core.jaxpr_as_fun(traced)
+        out_treedef = jax.tree.structure(out_shapes)
+
+        def taken(grads, inner_state, params):
+            return jax.tree.unflatten(out_treedef, run_traced(*jax.tree.leaves((grads, inner_state, params))))
 
         def skip(grads, inner_state, params):
             del grads
@@ -211,7 +220,7 @@ def loss_scaled(inner: Any, rule: Rule, options: Settings) -> LossScaleTransform
             return zeros_like_shapes(out_shapes[0]), inner_state
 
         # 2. Apply or skip, on one scalar.
-        out, inner_state = jax.lax.cond(finite, apply, skip, grads, state.inner_state, params)
+        out, inner_state = jax.lax.cond(finite, taken, skip, grads, state.inner_state, params)
         # 3. Adjust the scale and record the step.
         new_state = next_state(rule, state, stats, finite, inner_state)
         if options.max_consecutive_skips is not None:

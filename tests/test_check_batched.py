@@ -49,7 +49,9 @@ def make_leaves(sizes, dtypes, poison, seed):
 
 
 def check(leaves, scale):
-    stats = jax.jit(gradient_stats, static_argnums=(2, 3))([jnp.asarray(x) for x in leaves], jnp.float32(scale), True, True)
+    stats = jax.jit(gradient_stats, static_argnums=(2, 3))(
+        [jnp.asarray(x) for x in leaves], jnp.float32(scale), True, True
+    )
     finite, peak, squares, underflow = numpy_stats(leaves, scale)
     assert list(np.asarray(stats.leaf_finite)) == finite
     if all(finite):
