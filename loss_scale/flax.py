@@ -1,10 +1,13 @@
-"""Loss scaling with flax: NNX gradients and reading the scaler's state.
+"""Loss scaling with flax: NNX gradients, fused optimizers for linen and NNX,
+and reading the scaler's state.
 
 An optional module: it imports flax, which the core package never does.
 
-**NNX.** ``nnx.Optimizer`` takes a loss-scaled optimizer as it is::
+**NNX.** ``nnx.Optimizer`` takes a loss-scaled optimizer as it is; this
+module's ``Optimizer`` is the same with the fused step (the update added to
+the params inside the taken branch, see ``loss_scale.apply_gradients``)::
 
-    optimizer = nnx.Optimizer(model, ls.dynamic(optax.adamw(1e-3)), wrt=nnx.Param)
+    optimizer = Optimizer(model, ls.dynamic(optax.adamw(1e-3)), wrt=nnx.Param)
 
     @nnx.jit
     def train_step(model, optimizer, x, y):
@@ -22,10 +25,10 @@ inner optimizer's own count, or ``step - find_state(optimizer).skipped_steps``.
 **linen.** ``flax.training.train_state.TrainState(tx=ls.dynamic(...))`` works
 as it is, with ``loss_scale.value_and_grad(loss_fn)(state.opt_state,
 state.params, batch)`` and ``state.apply_gradients(grads=grads)``; as with
-NNX, ``state.step`` counts skipped steps too. ``apply_gradients(state,
-grads)`` here does the same through ``loss_scale.apply_gradients``, which
-adds the updates to the params inside the taken branch (one write and one
-read of a parameter-sized buffer less, see the README's Performance). The
+NNX, ``state.step`` counts skipped steps too. This module's ``TrainState`` is
+flax's with the fused step in ``apply_gradients`` (one write and one read of
+a parameter-sized buffer less, see the README's Performance); the function
+``apply_gradients(state, grads)`` does the same for any ``TrainState``. The
 functions here accept a ``TrainState`` as well.
 
 For mixed precision, give flax layers ``dtype=policy.compute_dtype,
@@ -42,6 +45,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from flax.training import train_state
 
 from loss_scale._fused import apply_gradients as _apply_gradients
 from loss_scale._grad import find_state as _find_state
@@ -49,7 +53,7 @@ from loss_scale._metrics import metrics as _metrics
 from loss_scale._state import LossScaleState
 from loss_scale._types import PyTree
 
-__all__ = ["apply_gradients", "find_state", "get_scale", "metrics", "nnx_value_and_grad"]
+__all__ = ["Optimizer", "TrainState", "apply_gradients", "find_state", "get_scale", "metrics", "nnx_value_and_grad"]
 
 
 def find_state(obj: Any) -> LossScaleState:
@@ -210,3 +214,69 @@ def apply_gradients(state: Any, grads: PyTree, **extra_args: Any) -> Any:
     """
     params, opt_state = _apply_gradients(state.tx, grads, state.opt_state, state.params, **extra_args)
     return state.replace(step=state.step + 1, params=params, opt_state=opt_state)
+
+
+class TrainState(train_state.TrainState):
+    """flax's ``TrainState``, whose ``apply_gradients`` takes the fused step.
+
+    ``state.apply_gradients(grads=grads)`` equals flax's (bit for bit on the
+    CPU, ``step`` included, which counts skipped steps too), but with a
+    loss-scaling ``tx`` the update is added to the params inside the taken
+    branch: the updates are never materialized and a skipped step writes
+    nothing. Build it with ``TrainState.create`` as flax's.
+
+    Example:
+      >>> import jax.numpy as jnp, optax, loss_scale as ls
+      >>> from loss_scale.flax import TrainState
+      >>> state = TrainState.create(apply_fn=None, params={"w": jnp.ones(2)},
+      ...                           tx=ls.dynamic(optax.sgd(0.5), initial_scale=4.0))
+      >>> state = state.apply_gradients(grads={"w": jnp.array([4.0, 8.0])})
+      >>> state.params["w"], int(state.step)
+      (Array([0.5, 0. ], dtype=float32), 1)
+    """
+
+    def apply_gradients(self, *, grads: PyTree, **kwargs: Any) -> TrainState:
+        """``step + 1``, and the params and ``opt_state`` after the fused step;
+        ``kwargs`` are replaced as flax does."""
+        overwrite = isinstance(grads, dict) and train_state.OVERWRITE_WITH_GRADIENT in grads
+        grads_with_opt = grads["params"] if overwrite else grads
+        params_with_opt = self.params["params"] if overwrite else self.params
+        new_params, new_opt_state = _apply_gradients(self.tx, grads_with_opt, self.opt_state, params_with_opt)
+        if overwrite:
+            new_params = {
+                "params": new_params,
+                train_state.OVERWRITE_WITH_GRADIENT: grads[train_state.OVERWRITE_WITH_GRADIENT],
+            }
+        return self.replace(step=self.step + 1, params=new_params, opt_state=new_opt_state, **kwargs)
+
+
+class Optimizer(nnx.Optimizer):
+    """``nnx.Optimizer`` whose ``update`` takes the fused step.
+
+    ``optimizer.update(model, grads)`` changes the model's params, the
+    optimizer state and ``step`` exactly as ``nnx.Optimizer``'s does (bit for
+    bit on the CPU), but with a loss-scaling ``tx`` the update is added to the
+    params inside the taken branch, so the updates are never materialized;
+    ``update`` returns ``None`` (``nnx.Optimizer``'s returns them).
+
+    Example:
+      >>> import jax.numpy as jnp, optax, loss_scale as ls
+      >>> from flax import nnx
+      >>> from loss_scale.flax import Optimizer, nnx_value_and_grad
+      >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+      >>> optimizer = Optimizer(model, ls.dynamic(optax.sgd(0.1), initial_scale=1024.0), wrt=nnx.Param)
+      >>> loss_fn = lambda model, x: jnp.mean(model(x) ** 2)
+      >>> _, grads = nnx_value_and_grad(loss_fn)(optimizer, model, jnp.ones((4, 2)))
+      >>> optimizer.update(model, grads)
+      >>> int(optimizer.step[...]), bool(find_state(optimizer).skipped)
+      (1, False)
+    """
+
+    def update(self, model: Any, grads: Any, /, **kwargs: Any) -> None:  # type: ignore[override]
+        params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
+        grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
+        opt_state = nnx.as_pure(self.opt_state)
+        new_params, new_opt_state = _apply_gradients(self.tx, grads, opt_state, params, **nnx.as_pure(kwargs))
+        nnx.update(model, new_params)
+        nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
+        self.step[...] += 1
