@@ -144,28 +144,13 @@ def value_and_grad(
       (9.0, 24.0)
     """
 
-    @functools.wraps(fun)
+    @named_after(fun)
     def wrapped(opt_state: PyTree, *args, **kwargs):
         scale = jax.lax.stop_gradient(get_scale(opt_state))
         typed = axis_name is not None and _typed(axis_name)
 
-        def scaled(*args, **kwargs):
-            out = fun(*args, **kwargs)
-            if has_aux:
-                if not (isinstance(out, tuple | list) and len(out) == 2):
-                    raise TypeError(
-                        "expected function with aux output to return a two-element tuple, "
-                        f"but got type {type(out)} with value {out!r}"
-                    )
-                loss, aux = out
-                out = (loss, aux)
-            else:
-                loss = out
-            target = _checked_loss(loss) * scale
-            if typed and _varies(target, axis_name):
-                target = jax.lax.pmean(target, axis_name)
-            return target, out
-
+        mean_over = axis_name if typed else None
+        scaled = scaled_objective(fun, has_aux, scale, mean_over)
         grad_fn = jax.grad(scaled, argnums=argnums, has_aux=True, allow_int=allow_int)
         grads, out = grad_fn(*args, **kwargs)
         if axis_name is not None and not typed:
@@ -173,6 +158,55 @@ def value_and_grad(
         return out, grads
 
     return wrapped
+
+
+def named_after(fun: Callable) -> Callable[[Callable], Callable]:
+    """Gives a wrapper ``fun``'s name and docstring, but not its signature:
+    the wrapper takes the optimizer state first, and ``functools.wraps``'
+    ``__wrapped__`` would make ``inspect.signature`` (which ``eqx.filter_jit``
+    and IDEs read) report ``fun``'s."""
+
+    def name(wrapper: Callable) -> Callable:
+        functools.update_wrapper(wrapper, fun, updated=())
+        del wrapper.__wrapped__
+        return wrapper
+
+    return name
+
+
+def scaled_objective(
+    fun: Callable[..., Any], has_aux: bool, scale: jax.Array, mean_over: AxisName | None = None
+) -> Callable[..., tuple[jax.Array, Any]]:
+    """``(*args, **kwargs) -> (loss * scale, fun's output)``, the function
+    that ``value_and_grad`` (and its flax and Equinox versions) differentiate
+    with ``has_aux=True``.
+
+    The loss is checked as ``jax.grad`` checks it (a real floating scalar,
+    and a ``(loss, aux)`` pair with ``has_aux``) and scaled in at least
+    float32, so that a large scale cannot overflow a float16 loss; the
+    cotangent that flows back into float16 computations is still ``scale``
+    times larger. With ``mean_over`` (an axis JAX types values along), a loss
+    that varies along it is averaged over it before differentiating.
+    """
+
+    def scaled(*args, **kwargs):
+        out = fun(*args, **kwargs)
+        if has_aux:
+            if not (isinstance(out, tuple | list) and len(out) == 2):
+                raise TypeError(
+                    "expected function with aux output to return a two-element tuple, "
+                    f"but got type {type(out)} with value {out!r}"
+                )
+            loss, aux = out
+            out = (loss, aux)
+        else:
+            loss = out
+        target = _checked_loss(loss) * scale
+        if mean_over is not None and _varies(target, mean_over):
+            target = jax.lax.pmean(target, mean_over)
+        return target, out
+
+    return scaled
 
 
 def _checked_loss(loss: Any) -> jax.Array:

@@ -38,17 +38,17 @@ float32 and the layers compute in float16 or bfloat16.
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 from flax.training import train_state
 
 from loss_scale._fused import apply_gradients as _apply_gradients
 from loss_scale._grad import find_state as _find_state
+from loss_scale._grad import named_after as _named_after
+from loss_scale._grad import scaled_objective
 from loss_scale._metrics import metrics as _metrics
 from loss_scale._state import LossScaleState
 from loss_scale._types import PyTree
@@ -170,17 +170,13 @@ def nnx_value_and_grad(
       (512.0, 1, 3)
     """
 
-    def scaled(model, scale, *args, **kwargs):
-        out = loss_fn(model, *args, **kwargs)
-        loss = jnp.asarray(out[0] if has_aux else out)
-        return loss.astype(jnp.promote_types(loss.dtype, jnp.float32)) * scale, out
-
-    @functools.wraps(loss_fn)
+    @_named_after(loss_fn)
     def wrapped(optimizer: PyTree, model: Any, *args, **kwargs):
         diff_filter = wrt if wrt is not None else getattr(optimizer, "wrt", nnx.Param)
         scale = jax.lax.stop_gradient(get_scale(optimizer))
+        scaled = scaled_objective(loss_fn, has_aux, scale)
         grad_fn = nnx.grad(scaled, argnums=nnx.DiffState(0, diff_filter), has_aux=True)
-        grads, out = grad_fn(model, scale, *args, **kwargs)
+        grads, out = grad_fn(model, *args, **kwargs)
         return out, grads
 
     return wrapped
