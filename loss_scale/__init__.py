@@ -1,6 +1,6 @@
 """Dynamic loss scaling for mixed-precision training in JAX, the optax way.
 
-Example:
+Examples:
   >>> import jax.numpy as jnp, optax, loss_scale as ls
   >>> tx = ls.dynamic(optax.adam(1e-3))
   >>> opt_state = tx.init({"w": jnp.zeros(3)})

@@ -69,7 +69,7 @@ def all_finite(tree: PyTree) -> jax.Array:
     Returns:
       A bool scalar: ``False`` when any inf or nan is present.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, loss_scale as ls
       >>> bool(ls.all_finite({"w": jnp.ones(3), "b": jnp.array([1.0, jnp.inf])}))
       False

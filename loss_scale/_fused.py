@@ -39,7 +39,7 @@ def apply_gradients(
     Returns:
       ``(new_params, new_opt_state)``.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
       >>> tx = ls.dynamic(optax.sgd(0.5), initial_scale=4.0)
       >>> params = {"w": jnp.ones(2)}

@@ -35,7 +35,7 @@ def find_state(opt_state: PyTree) -> LossScaleState:
     Raises:
       ValueError: when there is none, or more than one.
 
-    Example:
+    Examples:
       >>> import optax, jax.numpy as jnp, loss_scale as ls
       >>> tx = optax.chain(optax.clip(1.0), ls.dynamic(optax.sgd(0.1)))
       >>> ls.find_state(tx.init(jnp.zeros(3))).good_steps
@@ -61,7 +61,7 @@ def find_state(opt_state: PyTree) -> LossScaleState:
 def get_scale(opt_state: PyTree) -> jax.Array:
     """The current loss scale (a float32 scalar) found in ``opt_state``.
 
-    Example:
+    Examples:
       >>> import optax, jax.numpy as jnp, loss_scale as ls
       >>> tx = ls.dynamic(optax.adam(1e-3), initial_scale=1024.0)
       >>> float(ls.get_scale(tx.init({"w": jnp.zeros(2)})))
@@ -86,7 +86,7 @@ def unscale(grads: PyTree, opt_state: PyTree) -> PyTree:
     """Gradients divided by the current scale (in float32, each leaf keeping
     its dtype): what the wrapped optimizer sees, for logging gradient norms.
 
-    Example:
+    Examples:
       >>> import optax, jax.numpy as jnp, loss_scale as ls
       >>> tx = ls.static(optax.sgd(0.1), scale=8.0)
       >>> ls.unscale({"w": jnp.array([16.0])}, tx.init({"w": jnp.zeros(1)}))
@@ -134,7 +134,7 @@ def value_and_grad(
       gradients of ``loss * scale``, ready for ``tx.update``, which unscales
       them.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
       >>> tx = ls.dynamic(optax.sgd(0.1), initial_scale=4.0)
       >>> params = jnp.array(3.0)

@@ -36,7 +36,7 @@ def metrics(opt_state: PyTree, prefix: str = "loss_scale/") -> dict[str, jax.Arr
       the stable view of the state. Works inside ``jit``; pass the result to
       clu, tensorboardX or wandb as it is.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
       >>> tx = ls.dynamic(optax.sgd(0.1), initial_scale=8.0)
       >>> state = tx.init(jnp.zeros(2))
@@ -66,7 +66,7 @@ def overflow_paths(opt_state: PyTree, grads_like: PyTree) -> list[str]:
       ``jax.tree_util.keystr`` paths, in leaf order; empty when no step has
       been skipped.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
       >>> params = {"dense": {"w": jnp.zeros(2), "b": jnp.zeros(1)}}
       >>> tx = ls.dynamic(optax.sgd(0.1), locate_overflows=True)

@@ -30,7 +30,7 @@ def wrap_opt_state(
       ValueError: when ``inner_opt_state`` does not have the structure, shapes
         and dtypes of the state the wrapped optimizer makes.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
       >>> params = {"w": jnp.ones(3)}
       >>> old = optax.adam(1e-3).init(params)

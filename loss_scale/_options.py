@@ -171,8 +171,8 @@ def options_doc(exclude: tuple[str, ...] = ()) -> str:
 def takes_options(exclude: tuple[str, ...] = ()) -> Callable:
     """Decorates a function declared with ``**options: Unpack[Options]``: its
     ``__signature__`` lists every option as a keyword-only parameter with its
-    default, and its docstring gets an "Options" section before "Returns"
-    (or "Example")."""
+    default, and the ``**options:`` entry of its docstring's Args becomes one
+    entry per option."""
 
     def decorate(function: Callable) -> Callable:
         signature = inspect.signature(function)
@@ -185,20 +185,22 @@ def takes_options(exclude: tuple[str, ...] = ()) -> Callable:
                     )
                 )
         function.__signature__ = signature.replace(parameters=parameters)
-        function.__doc__ = _with_options_section(function.__doc__ or "", exclude)
+        function.__doc__ = _with_options_documented(function.__doc__ or "", exclude)
         return function
 
     return decorate
 
 
-def _with_options_section(doc: str, exclude: tuple[str, ...]) -> str:
-    section = "Options (keyword-only, shared by every loss-scaling transformation):\n" + textwrap.indent(
-        options_doc(exclude), "  "
-    )
+def _with_options_documented(doc: str, exclude: tuple[str, ...]) -> str:
+    """``doc`` with its ``**options:`` Args entry (and the lines that continue
+    it) replaced by one entry per option, at the same indentation."""
     lines = doc.splitlines()
     for i, line in enumerate(lines):
-        if line.strip() in ("Returns:", "Raises:", "Example:"):
+        if line.strip().startswith("**options:"):
             indent = line[: len(line) - len(line.lstrip())]
-            block = textwrap.indent(section, indent).splitlines()
-            return "\n".join(lines[:i] + block + [""] + lines[i:])
-    return doc.rstrip() + "\n\n" + textwrap.indent(section, "    ")
+            end = i + 1
+            while end < len(lines) and lines[end].startswith(indent + " ") and lines[end].strip():
+                end += 1
+            entries = textwrap.indent(options_doc(exclude), indent).splitlines()
+            return "\n".join(lines[:i] + entries + lines[end:])
+    raise ValueError("a function that takes options documents them with a '**options:' entry in its Args")

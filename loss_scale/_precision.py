@@ -100,7 +100,7 @@ class Policy:
       compute_dtype: dtype of the forward and backward computation.
       output_dtype: dtype of the model's output, in which the loss is computed.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
       >>> policy = ls.Policy.from_string("p=f32,c=f16,o=f32")
       >>> print(policy)
@@ -113,9 +113,9 @@ class Policy:
       32768.0
     """
 
-    param_dtype: DTypeLike = jnp.float32
-    compute_dtype: DTypeLike = jnp.float32
-    output_dtype: DTypeLike = jnp.float32
+    param_dtype: DTypeLike = "float32"
+    compute_dtype: DTypeLike = "float32"
+    output_dtype: DTypeLike = "float32"
 
     def __post_init__(self):
         for field in ("param_dtype", "compute_dtype", "output_dtype"):
@@ -135,7 +135,7 @@ class Policy:
         Raises:
           ValueError: naming the part of the string that is not understood.
 
-        Example:
+        Examples:
           >>> import loss_scale as ls
           >>> ls.Policy.from_string("compute=bf16").compute_dtype
           dtype(bfloat16)
@@ -232,7 +232,7 @@ def for_dtype(
       ValueError: for a dtype with no loss-scaling rule (float8 formats need
         per-tensor scaling, which this is not).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
       >>> params = jnp.zeros(3)
       >>> for dtype in ("float16", "bfloat16", jnp.float32):

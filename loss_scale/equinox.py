@@ -60,7 +60,7 @@ def filter_value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> 
       scale``, ready for ``apply_gradients`` (or ``tx.update``), which
       unscales them.
 
-    Example:
+    Examples:
       >>> import equinox as eqx, jax, jax.numpy as jnp, optax, loss_scale as ls
       >>> from loss_scale import equinox as lsq
       >>> model = eqx.nn.Linear(2, 1, key=jax.random.key(0))
@@ -105,7 +105,7 @@ def apply_gradients(
     Returns:
       ``(new_model, new_opt_state)``.
 
-    Example:
+    Examples:
       >>> import equinox as eqx, jax, jax.numpy as jnp, optax, loss_scale as ls
       >>> from loss_scale import equinox as lsq
       >>> model = eqx.nn.MLP(2, 1, width_size=8, depth=1, key=jax.random.key(0))

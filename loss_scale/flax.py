@@ -67,7 +67,7 @@ def find_state(obj: Any) -> LossScaleState:
       The loss-scale state, its ``nnx.Variable`` wrappers removed (so its
       fields are ``jax.Array`` values that loggers and ``float()`` take).
 
-    Example:
+    Examples:
       >>> import optax, loss_scale as ls
       >>> from flax import nnx
       >>> from loss_scale.flax import find_state
@@ -83,7 +83,7 @@ def get_scale(obj: Any) -> jax.Array:
     """The current loss scale (a float32 scalar) of an ``nnx.Optimizer``,
     its ``opt_state``, a linen ``TrainState`` or any optax state.
 
-    Example:
+    Examples:
       >>> import optax, loss_scale as ls
       >>> from flax import nnx
       >>> from loss_scale.flax import get_scale
@@ -99,7 +99,7 @@ def metrics(obj: Any, prefix: str = "loss_scale/") -> dict[str, jax.Array]:
     """``loss_scale.metrics`` for an ``nnx.Optimizer`` (or anything
     ``find_state`` here accepts): a flat dict of scalar arrays for a logger.
 
-    Example:
+    Examples:
       >>> import optax, loss_scale as ls
       >>> from flax import nnx
       >>> from loss_scale.flax import metrics
@@ -146,7 +146,7 @@ def nnx_value_and_grad(
       (an ``nnx.State``) are the gradients of ``loss * scale``, ready for
       ``optimizer.update(model, grads)``, which unscales them.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
       >>> from flax import nnx
       >>> from loss_scale.flax import find_state, get_scale, nnx_value_and_grad
@@ -198,7 +198,7 @@ def apply_gradients(state: Any, grads: PyTree, **extra_args: Any) -> Any:
     Returns:
       The new state.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
       >>> from flax.training import train_state
       >>> from loss_scale.flax import apply_gradients
@@ -221,7 +221,7 @@ class TrainState(train_state.TrainState):
     branch: the updates are never materialized and a skipped step writes
     nothing. Build it with ``TrainState.create`` as flax's.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
       >>> from loss_scale.flax import TrainState
       >>> state = TrainState.create(apply_fn=None, params={"w": jnp.ones(2)},
@@ -255,7 +255,7 @@ class Optimizer(nnx.Optimizer):
     params inside the taken branch, so the updates are never materialized;
     ``update`` returns ``None`` (``nnx.Optimizer``'s returns them).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
       >>> from flax import nnx
       >>> from loss_scale.flax import Optimizer, nnx_value_and_grad

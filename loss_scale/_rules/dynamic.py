@@ -167,7 +167,7 @@ def dynamic(
       hysteresis: overflows tolerated before backing off, >= 1.
       consecutive_hysteresis: refill the hysteresis on every clean step
         instead of only on growth.
-      **options: the keyword options below.
+      **options: the keyword options.
 
     Returns:
       A ``LossScaleTransformation`` (an ``optax.GradientTransformationExtraArgs``)
@@ -178,7 +178,7 @@ def dynamic(
         optax transformation.
       ValueError: a setting out of range, or an ``inner`` that scales already.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
       >>> tx = ls.dynamic(optax.sgd(0.1), initial_scale=2.0**10)
       >>> params = {"w": jnp.ones(3)}

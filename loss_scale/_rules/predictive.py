@@ -245,13 +245,13 @@ def predictive(
         parameter gradients the backward pass's values may get.
       compute_dtype: the dtype of the backward pass, whose largest value is
         the overflow threshold (float16: 65504).
-      **options: the keyword options below.
+      **options: the keyword options.
 
     Returns:
       A ``LossScaleTransformation`` whose state is a ``LossScaleState`` with
       ``PredictiveCounters`` (``headroom``, ``grad_peak``, ...).
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
       >>> tx = ls.predictive(optax.sgd(0.1))
       >>> state = tx.init(jnp.zeros(2))

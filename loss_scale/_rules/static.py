@@ -28,12 +28,12 @@ def static(inner: optax.GradientTransformation, scale: float, **options: Unpack[
     Args:
       inner: the optimizer to wrap.
       scale: the loss scale, a positive normal float32.
-      **options: the keyword options below.
+      **options: the keyword options.
 
     Returns:
       A ``LossScaleTransformation`` whose state is a ``LossScaleState``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
       >>> tx = ls.static(optax.sgd(1.0), scale=128.0)
       >>> state = tx.init(jnp.zeros(2))
@@ -59,7 +59,7 @@ def no_op(inner: optax.GradientTransformation, skip_nonfinite: bool = False) -> 
     Returns:
       A ``LossScaleTransformation`` whose state is a ``LossScaleState``.
 
-    Example:
+    Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
       >>> tx = ls.no_op(optax.sgd(1.0))
       >>> float(ls.get_scale(tx.init(jnp.zeros(2))))

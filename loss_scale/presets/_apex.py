@@ -46,11 +46,15 @@ def apex(
 
     Args:
       inner: the optimizer to wrap.
-      init_scale, scale_window, min_loss_scale, max_loss_scale, loss_scale:
-        as Apex, with its defaults.
-      **options: the keyword options below.
+      init_scale: the scale at step 0 (capped at ``max_loss_scale``).
+      scale_window: clean steps in a row before the scale doubles.
+      min_loss_scale: the floor; ``None`` or 0 for none (float32's smallest
+        normal here).
+      max_loss_scale: the ceiling.
+      loss_scale: ``"dynamic"``, or a number for a static scale.
+      **options: the keyword options.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
       >>> tx = ls.presets.apex(optax.sgd(0.1), init_scale=2.0**30, scale_window=1)
       >>> state, update = tx.init(jnp.zeros(1)), jax.jit(tx.update)

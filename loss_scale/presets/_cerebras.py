@@ -61,13 +61,19 @@ def cerebras(
 
     Args:
       inner: the optimizer to wrap.
-      initial_loss_scale, steps_per_increase, min_loss_scale, max_loss_scale,
-        overflow_tolerance, max_gradient_norm: as Cerebras, with its float16
-        defaults.
-      **options: the keyword options below, but for ``max_grad_norm``
-        (``max_gradient_norm`` is Cerebras' own).
+      initial_loss_scale: the scale at step 0 (``None`` or 0: ``2**15``).
+      steps_per_increase: steps without a decrease before the scale doubles
+        (``None`` or 0: 2000).
+      min_loss_scale: the floor, at least ``2**-14`` (``None`` or 0: ``2**-14``).
+      max_loss_scale: the ceiling (``None`` or 0: ``2**15``).
+      overflow_tolerance: the fraction of overflowing steps since the last
+        change of the scale that does not yet halve it.
+      max_gradient_norm: clip the unscaled gradients to this global norm on
+        finite steps (Cerebras' own name for the ``max_grad_norm`` option,
+        which this preset does not take).
+      **options: the keyword options.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
       >>> tx = ls.presets.cerebras(optax.sgd(0.1), initial_loss_scale=8.0, steps_per_increase=3,
       ...                          overflow_tolerance=0.5)

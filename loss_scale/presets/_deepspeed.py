@@ -70,13 +70,17 @@ def deepspeed(
 
     Args:
       inner: the optimizer to wrap.
-      initial_scale_power, loss_scale_window, hysteresis,
-        consecutive_hysteresis, min_loss_scale, loss_scale: DeepSpeed's
-        ``fp16`` keys, with its defaults.
-      **options: the keyword options below (``max_grad_norm`` is DeepSpeed's
+      initial_scale_power: the scale at step 0 is ``2**initial_scale_power``.
+      loss_scale_window: clean steps before the scale doubles (one more for
+        the first growth after an overflow or the start).
+      hysteresis: overflows tolerated before the scale halves.
+      consecutive_hysteresis: refill the hysteresis on every clean step.
+      min_loss_scale: the floor.
+      loss_scale: a positive number for a static scale; 0 for dynamic.
+      **options: the keyword options (``max_grad_norm`` is DeepSpeed's
         ``gradient_clipping``).
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
       >>> tx = ls.presets.deepspeed(optax.sgd(0.1), initial_scale_power=3, loss_scale_window=2)
       >>> state, update = tx.init(jnp.zeros(1)), jax.jit(tx.update)

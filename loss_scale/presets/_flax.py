@@ -42,11 +42,15 @@ def flax(
 
     Args:
       inner: the optimizer to wrap.
-      scale, growth_factor, backoff_factor, growth_interval, minimum_scale:
-        as ``DynamicScale``, with its defaults.
-      **options: the keyword options below.
+      scale: the scale at step 0.
+      growth_factor: the multiplier on growth.
+      backoff_factor: the multiplier on an overflow.
+      growth_interval: flax grows on the ``growth_interval + 1``-th clean
+        step in a row.
+      minimum_scale: the floor; ``None`` for float32's smallest normal.
+      **options: the keyword options.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
       >>> tx = ls.presets.flax(optax.sgd(0.1), scale=8.0, growth_interval=2)
       >>> state, update = tx.init(jnp.zeros(1)), jax.jit(tx.update)

@@ -43,11 +43,14 @@ def jmp(
 
     Args:
       inner: the optimizer to wrap.
-      loss_scale, period, factor, min_loss_scale: as ``DynamicLossScale``,
-        with its defaults.
-      **options: the keyword options below.
+      loss_scale: the scale at step 0.
+      period: clean steps in a row before the scale grows.
+      factor: the scale is multiplied by it on growth and divided by it on an
+        overflow (an int >= 2).
+      min_loss_scale: the floor.
+      **options: the keyword options.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
       >>> tx = ls.presets.jmp(optax.sgd(0.1), loss_scale=4.0, period=1, factor=4, min_loss_scale=0.5)
       >>> state, update = tx.init(jnp.zeros(1)), jax.jit(tx.update)

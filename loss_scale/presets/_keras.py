@@ -44,10 +44,11 @@ def keras(
 
     Args:
       inner: the optimizer to wrap.
-      initial_scale, dynamic_growth_steps: as Keras 3, with its defaults.
-      **options: the keyword options below.
+      initial_scale: the scale at step 0.
+      dynamic_growth_steps: clean steps in a row before the scale doubles.
+      **options: the keyword options.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
       >>> tx = ls.presets.keras(optax.sgd(0.1), initial_scale=4.0, dynamic_growth_steps=1)
       >>> state, update = tx.init(jnp.zeros(1)), jax.jit(tx.update)
@@ -102,11 +103,13 @@ def tf_keras(
 
     Args:
       inner: the optimizer to wrap.
-      dynamic, initial_scale, dynamic_growth_steps: as tf-keras, with its
-        defaults.
-      **options: the keyword options below.
+      dynamic: ``False`` for a fixed ``initial_scale``.
+      initial_scale: the scale at step 0 (``None``: ``2**15``).
+      dynamic_growth_steps: clean steps before the scale doubles (``None``:
+        2000; must be ``None`` when ``dynamic`` is ``False``).
+      **options: the keyword options.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
       >>> tx = ls.presets.tf_keras(optax.sgd(0.1), initial_scale=2.0, dynamic_growth_steps=3)
       >>> state, update = tx.init(jnp.zeros(1)), jax.jit(tx.update)

@@ -48,13 +48,18 @@ def megatron(
 
     Args:
       inner: the optimizer to wrap.
-      initial_loss_scale, min_loss_scale, loss_scale_window, hysteresis,
-        loss_scale: Megatron's ``OptimizerConfig`` fields, with its defaults
-        (``loss_scale_window`` is typed float there; integral values only).
-      **options: the keyword options below (``max_grad_norm`` is Megatron's
+      initial_loss_scale: the scale at step 0.
+      min_loss_scale: the floor.
+      loss_scale_window: clean steps before the scale doubles (typed float
+        in Megatron; integral values only).
+      hysteresis: overflows since the last growth tolerated before the
+        scale halves.
+      loss_scale: a number for a constant scale (``ConstantGradScaler``);
+        ``None`` for dynamic.
+      **options: the keyword options (``max_grad_norm`` is Megatron's
         ``clip_grad``).
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
       >>> tx = ls.presets.megatron(optax.sgd(0.1), initial_loss_scale=8.0, loss_scale_window=2)
       >>> state, update = tx.init(jnp.zeros(1)), jax.jit(tx.update)

@@ -50,11 +50,15 @@ def torch(
 
     Args:
       inner: the optimizer to wrap.
-      init_scale, growth_factor, backoff_factor, growth_interval, enabled:
-        as ``torch.amp.GradScaler``, with its defaults.
-      **options: the keyword options below.
+      init_scale: the scale at step 0.
+      growth_factor: the multiplier on growth.
+      backoff_factor: the multiplier on an overflow.
+      growth_interval: clean steps in a row before the scale grows.
+      enabled: ``False`` keeps the scale at 1 (non-finite steps are still
+        skipped).
+      **options: the keyword options.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
       >>> tx = ls.presets.torch(optax.sgd(0.1), init_scale=8.0, growth_interval=2)
       >>> state, update = tx.init(jnp.zeros(1)), jax.jit(tx.update)
