@@ -28,7 +28,7 @@ The workloads are the repository's examples, imported from ``examples/``:
 
 Usage::
 
-    python benchmarks/predictive.py                 # ~10 minutes on 2 CPU cores
+    python benchmarks/predictive.py --out           # ~10 minutes on 2 CPU cores
     python benchmarks/predictive.py --steps-factor 0.2 --workloads cnn,regression
     python benchmarks/predictive.py --quick         # a smoke test, seconds
 
@@ -39,13 +39,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import importlib.util
 import json
 import math
-import os
-import platform
+import pathlib
 import sys
 import time
 from collections.abc import Callable, Sequence
+from types import ModuleType
 from typing import Any
 
 import flax.linen as nn
@@ -57,14 +59,33 @@ from flax import nnx
 
 import loss_scale as ls
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "examples"))
+try:  # run as a script: Python puts benchmarks/ first on sys.path
+    from _harness import cli, provenance, tables
+except ModuleNotFoundError as error:  # imported with the repository root on sys.path (the tests)
+    if error.name != "_harness":
+        raise
+    from benchmarks._harness import cli, provenance, tables
 
-import cnn_digits  # noqa: E402
-import debug_overflow  # noqa: E402
-import nnx_lm  # noqa: E402
-import quickstart  # noqa: E402
+EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 
 PyTree = Any
+
+
+@functools.cache
+def example(name: str) -> ModuleType:
+    """``examples/<name>.py``, imported by path on first use (the examples are
+    scripts, not a package). It is registered in ``sys.modules`` before it
+    runs, because flax modules and dataclasses look their module up there."""
+    module_name = f"loss_scale_example_{name}"
+    spec = importlib.util.spec_from_file_location(module_name, EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[module_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[module_name]
+        raise
+    return module
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,11 +113,8 @@ class Workload:
     steps: int
 
 
-def _cast(tree: PyTree, dtype: Any) -> PyTree:
-    return jax.tree.map(lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, tree)
-
-
 def cnn_workload(steps: int) -> Workload:
+    cnn_digits = example("cnn_digits")
     args = cnn_digits.parse_args(["--steps", str(steps)])
     data = cnn_digits.make_data(args)
     images, labels = data["train"]
@@ -120,6 +138,7 @@ def cnn_workload(steps: int) -> Workload:
 
 
 def lm_workload(steps: int) -> Workload:
+    nnx_lm = example("nnx_lm")
     args = nnx_lm.parse_args(["--steps", str(steps)])
     data = nnx_lm.make_data(args)
     sizes = (args.vocab, args.seq_len, args.dim, args.heads, args.layers)
@@ -154,6 +173,7 @@ def lm_workload(steps: int) -> Workload:
 
 
 def zipf_workload(steps: int) -> Workload:
+    quickstart = example("quickstart")
     args = quickstart.parse_args(["--steps", str(steps)])
     data = quickstart.make_data(args)
     model, teacher_probs = data["model"], data["teacher_probs"]
@@ -186,6 +206,7 @@ class _Regressor(nn.Module):
 
 
 def regression_workload(steps: int, batch: int = 256) -> Workload:
+    debug_overflow = example("debug_overflow")
     x, y = debug_overflow.make_data(4096, unnormalized=True)
     x_test, y_test = debug_overflow.make_data(1024, unnormalized=True, seed=1)
     params = _Regressor().init(jax.random.key(0), jnp.asarray(x[:1]))["params"]
@@ -319,11 +340,7 @@ def simulation_table() -> str:
     from loss_scale._rules.predictive import PredictiveRule
 
     torch_rule = DynamicRule(initial_scale=2.0**16, min_scale=2.0**-30, max_scale=math.inf)
-    lines = [
-        "| simulated run | steps | skipped: torch rule / ls.predictive "
-        "| median headroom (binades): torch / predictive |",
-        "|---|---|---|---|",
-    ]
+    rows = []
     for steps, noise, amplification in SIMULATIONS:
         grads = drifting_gradients(steps, noise)
         cells = []
@@ -332,59 +349,55 @@ def simulation_table() -> str:
             headroom = np.log2(F16_MAX / (scales * grads * amplification))[100:]
             cells.append((int(skipped.sum()), float(np.median(headroom))))
         (a, ha), (b, hb) = cells
-        lines.append(
-            f"| noise {noise}, amplification {amplification:g} | {steps} | {a} / {b} = {a / max(b, 1):.1f}x | "
-            f"{ha:.1f} / {hb:.1f} |"
-        )
-    return "\n".join(lines)
+        rows.append([f"noise {noise}, amplification {amplification:g}", steps, f"{a} / {b} = {a / max(b, 1):.1f}x",
+                     f"{ha:.1f} / {hb:.1f}"])  # fmt: skip
+    headers = [
+        "simulated run", "steps", "skipped: torch rule / ls.predictive", "median headroom (binades): torch / predictive"
+    ]  # fmt: skip
+    return tables.markdown(headers, rows)
 
 
 def _fmt(value: float | None, spec: str) -> str:
     return "-" if value is None or (isinstance(value, float) and math.isnan(value)) else format(value, spec)
 
 
+RUN_HEADERS = (
+    "workload", "steps", "rule", "skipped steps", "below f16 normal", "exactly 0", "eval loss", "final scale",
+    "headroom",
+)  # fmt: skip
+SUMMARY_HEADERS = ("workload", "skipped: torch rule / ls.predictive", "eval loss: ls.predictive - torch rule")
+
+
 def format_table(results: dict[str, Any]) -> str:
-    lines = [
-        "| workload | steps | rule | skipped steps | below f16 normal | exactly 0 | eval loss | final scale "
-        "| headroom |",
-        "|---|---|---|---|---|---|---|---|---|",
-    ]
+    """Every run, then the torch rule against ls.predictive per workload."""
+    rows = []
     for name, workload in results["workloads"].items():
         for rule, run in workload["runs"].items():
-            lines.append(
-                f"| {name} | {workload['steps']} | {rule} | {run['skipped_steps'] if rule != 'float32' else '-'} | "
-                f"{_fmt(run['below_normal'], '.2%')} | {_fmt(run['zero'], '.2%')} | {run['eval_loss']:.4f} | "
-                f"{_fmt(run['final_scale'], 'g')} | "
-                f"{_fmt(run['headroom'], 'd')} |"
-            )
-    lines += ["", "| workload | skipped: torch rule / ls.predictive | eval loss: ls.predictive - torch rule |"]
-    lines += ["|---|---|---|"]
+            rows.append([
+                name, workload["steps"], rule, run["skipped_steps"] if rule != "float32" else "-",
+                _fmt(run["below_normal"], ".2%"), _fmt(run["zero"], ".2%"), f"{run['eval_loss']:.4f}",
+                _fmt(run["final_scale"], "g"), _fmt(run["headroom"], "d"),
+            ])  # fmt: skip
+    summary = []
     for name, workload in results["workloads"].items():
         runs = workload["runs"]
         torch_rule, predictive = runs["torch rule"], runs["ls.predictive"]
         a, b = torch_rule["skipped_steps"], predictive["skipped_steps"]
         ratio = f"{a} / {b}" + (f" = {a / b:.1f}x" if b else (" (none skipped by ls.predictive)" if a else ""))
-        lines.append(f"| {name} | {ratio} | {predictive['eval_loss'] - torch_rule['eval_loss']:+.4f} |")
-    return "\n".join(lines)
-
-
-def header_line() -> str:
-    device = jax.devices()[0]
-    return (
-        f"jax {jax.__version__} | optax {optax.__version__} | backend {jax.default_backend()} | "
-        f"device {getattr(device, 'device_kind', device.platform)} | {platform.processor() or platform.machine()} | "
-        f"CPUs {os.cpu_count()}"
-    )
+        summary.append([name, ratio, f"{predictive['eval_loss'] - torch_rule['eval_loss']:+.4f}"])
+    return tables.markdown(RUN_HEADERS, rows) + "\n\n" + tables.markdown(SUMMARY_HEADERS, summary)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated: {','.join(WORKLOADS)}")
-    parser.add_argument("--steps-factor", type=float, default=1.0, help="multiply every workload's steps")
-    parser.add_argument("--quick", action="store_true", help="a few steps of each workload: a smoke test")
+    parser = cli.parser(__doc__)
+    steps = ", ".join(f"{key} {default}" for key, (_, default) in WORKLOADS.items())
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated")
+    parser.add_argument("--steps-factor", type=float, default=1.0, help=f"multiply every workload's steps ({steps})")
+    parser.add_argument("--quick", action="store_true", help="6 steps of each workload, no simulation: a smoke test")
     parser.add_argument("--json", metavar="PATH", help="write the results (with per-step histories) to PATH")
+    cli.add_out(parser, "predictive")
     args = parser.parse_args(argv)
-    args.workloads = [w for w in args.workloads.split(",") if w]
+    args.workloads = cli.split(args.workloads)
     for w in args.workloads:
         if w not in WORKLOADS:
             parser.error(f"unknown workload {w!r}; choose from {', '.join(WORKLOADS)}")
@@ -395,8 +408,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
-    results: dict[str, Any] = {"header": header_line(), "workloads": {}}
-    print(results["header"], flush=True)
+    env = provenance.environment(__file__, argv)
+    report = tables.Report()
+    results: dict[str, Any] = {"header": provenance.header(env), "environment": env, "workloads": {}}
+    report.print(results["header"])
     start = time.perf_counter()
     for key in args.workloads:
         build, default_steps = WORKLOADS[key]
@@ -405,16 +420,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         runs = {rule: train(workload, rule) for rule in RULES}
         results["workloads"][workload.name] = {"steps": steps, "description": workload.description, "runs": runs}
         seconds = sum(run["seconds"] for run in runs.values())
-        print(f"{workload.name}: {workload.description}, {steps} steps ({seconds:.0f} s)", flush=True)
+        report.print(f"{workload.name}: {workload.description}, {steps} steps ({seconds:.0f} s)")
     results["wall_s"] = time.perf_counter() - start
-    print("\n" + format_table(results))
+    report.print("\n" + format_table(results))
     if not args.quick:
         results["simulation"] = simulation_table()
-        print("\n" + results["simulation"])
-    print(f"\nwall time {results['wall_s']:.0f} s")
+        report.print("\n" + results["simulation"])
+    report.print(f"\nwall time {results['wall_s']:.0f} s")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f)
+    if args.out is not None:
+        report.save(args.out or tables.default_out("predictive", env["backend"]))
     return results
 
 

@@ -1,53 +1,120 @@
-"""The benchmarks' logic, on tiny models and few steps (their numbers mean
-nothing here; ``python benchmarks/overhead.py`` and
-``python benchmarks/predictive.py`` measure)."""
+"""The benchmarks' scripts, smoke-run on tiny models and few steps: every
+script runs, checks what it checks, and prints the tables it promises (the
+numbers mean nothing here; the scripts measure when run for real)."""
 
+import importlib.util
+import json
 import math
 
+import pytest
+
+from benchmarks._harness import peers, tables, timing
 from tests._scripts import ROOT, load_script
 
 BENCH = ROOT / "benchmarks"
+HAS_MPX = importlib.util.find_spec("mpx") is not None
 
 
-def load(name: str = "overhead"):
+def load(name: str):
     return load_script(BENCH / f"{name}.py", f"bench_{name}")
 
 
-def test_overhead_quick_runs_every_variant_and_checks_them():
-    overhead = load()
+def printed_tables(text: str) -> list[list[dict[str, str]]]:
+    """Every markdown table in ``text``, in order, as rows of header -> cell."""
+    found, lines = [], text.splitlines()
+    for i, line in enumerate(lines):
+        if line.startswith("|---") and i and lines[i - 1].startswith("|"):
+            found.append(tables.parse_markdown("\n".join(lines[i - 1 :])))
+    return found
+
+
+OVERHEAD_COLUMNS = [
+    "variant",
+    "step ×bare median [95% CI]",
+    "update-only ×bare",
+    "compile ×bare (step / update)",
+    "step temp MiB (Δ bare)",
+    "step peak MiB (Δ bare)",
+    "update temp MiB (Δ bare)",
+]
+
+
+def test_overhead_quick_runs_every_variant_and_prints_both_tables(capsys):
+    overhead = load("overhead")
     result = overhead.main(["--quick", "--models", "mlp", "--precisions", "f32", "--rounds", "2"])
     [run] = result["runs"]
     [table] = run["tables"]
     names = [row["variant"] for row in table["rows"]]
-    assert names[:5] == [
-        overhead.BARE,
-        overhead.LS,
-        overhead.LS_OVERFLOW,
-        overhead.LS_FUSED,
-        overhead.LS_FUSED_OVERFLOW,
-    ]
-    assert {"optax.apply_if_finite", "jmp DynamicLossScale", "flax DynamicScale"} <= set(names)
+    pytree = [peers.BARE, peers.LS, peers.LS_OVERFLOW, peers.LS_FUSED, peers.LS_FUSED_OVERFLOW,
+              peers.APPLY_IF_FINITE, peers.JMP, peers.FLAX]  # fmt: skip
+    equinox = [peers.EQX_BARE, peers.EQX_LS, peers.EQX_LS_OVERFLOW]
+    equinox += [peers.MPX, peers.MPX_OVERFLOW] if HAS_MPX else []
+    assert names == pytree + equinox
     for row in table["rows"]:
         for kind in ("step", "update"):
-            assert math.isfinite(row[kind]["median"]) and row[kind]["median"] > 0
-    rendered = overhead.format_table(table)
-    assert "ls.dynamic + ls.apply_gradients" in rendered and "|" in rendered
+            stats = row[kind]
+            assert math.isfinite(stats["median"]) and stats["median"] > 0
+            assert stats["ci_low"] <= stats["median"] <= stats["ci_high"] and stats["rounds"] == 2
+        in_equinox_group = row["family"] == "equinox" and row["variant"] != peers.EQX_BARE
+        assert row["baseline"] == (peers.EQX_BARE if in_equinox_group else peers.BARE)
+    out = capsys.readouterr().out
+    assert "loss_scale 0." in out and "`python benchmarks/overhead.py --quick" in out  # provenance header
+    main_table, equinox_table = printed_tables(out)
+    assert list(main_table[0]) == OVERHEAD_COLUMNS
+    assert [r["variant"] for r in main_table] == pytree and main_table[0]["update-only ×bare"].startswith("1.00")
+    assert list(equinox_table[0]) == [c.replace("bare", "eqx bare") for c in OVERHEAD_COLUMNS]
+    assert [r["variant"] for r in equinox_table] == equinox
 
 
-def test_speedup_reads_a_two_precision_run(tmp_path):
-    overhead = load()
+def test_overhead_tuned_malloc_reruns_the_script_and_saves_its_tables(tmp_path, capfd):
+    """--tuned-malloc runs benchmarks/overhead.py as a script in a child
+    process (the harness found next to it); --out saves what it printed."""
+    overhead = load("overhead")
+    out_path = tmp_path / "overhead.txt"
+    result = overhead.main(
+        ["--quick", "--tuned-malloc", "--models", "transformer", "--precisions", "f32", "--rounds", "1",
+         "--variants", "ls-fused,ls-trainstate", "--out", str(out_path)]
+    )  # fmt: skip
+    [run] = result["runs"]
+    assert run["environment"]["malloc_env"] == timing.TUNED_MALLOC
+    assert [row["variant"] for row in run["tables"][0]["rows"]] == [peers.BARE, peers.LS_FUSED, peers.LS_TRAIN_STATE]
+    [saved] = printed_tables(out_path.read_text())  # the transformer has no Equinox table
+    assert [r["variant"] for r in saved] == [peers.BARE, peers.LS_FUSED, peers.LS_TRAIN_STATE]
+    assert "MALLOC_ARENA_MAX=1" in out_path.read_text() and "### transformer f32" in capfd.readouterr().out
+
+
+def test_speedup_reads_a_two_precision_run(tmp_path, capsys):
+    overhead = load("overhead")
     results = overhead.main(
-        ["--quick", "--models", "mlp", "--precisions", "f32,mixed", "--rounds", "2", "--json", str(tmp_path / "r.json")]
-    )
+        ["--quick", "--models", "mlp", "--precisions", "f32,mixed", "--rounds", "2", "--variants", "ls,ls-fused",
+         "--json", str(tmp_path / "r.json")]
+    )  # fmt: skip
+    capsys.readouterr()
     speedup = load("speedup")
-    [row] = speedup.main([str(tmp_path / "r.json")])
+    [row] = speedup.main([str(tmp_path / "r.json"), "--out", str(tmp_path / "speedup.txt")])
     f32 = results["runs"][0]["tables"][0]
     assert row["model"] == "mlp" and row["f32_ms"] == f32["rows"][0]["step"]["median_ms"]
     for variant in speedup.VARIANTS:
         assert row[variant]["speedup"] == row["f32_ms"] / row[variant]["mixed_ms"] > 0
+    [printed] = printed_tables(capsys.readouterr().out)
+    assert list(printed[0]) == list(speedup.HEADERS) and printed[0]["model"] == "mlp"
+    assert printed_tables((tmp_path / "speedup.txt").read_text()) == [printed]
 
 
-def test_predictive_benchmark_quick_trains_every_rule():
+def test_compile_time_quick_times_every_variant_against_bare(capsys):
+    compile_time = load("compile_time")
+    result = compile_time.main(["--quick", "--leaves", "2,3", "--optimizers", "sgd", "--repeats", "1"])
+    assert [(r["leaves"], r["key"]) for r in result["rows"]] == [(n, k) for n in (2, 3) for k in compile_time.VARIANTS]
+    for row in result["rows"]:
+        assert row["trace_lower_s"] > 0 and row["compile_s"] > 0 and len(row["samples"]) == 1
+        assert row["total_s"] == pytest.approx(row["trace_lower_s"] + row["compile_s"])
+    [printed] = printed_tables(capsys.readouterr().out)
+    assert list(printed[0]) == list(compile_time.HEADERS)
+    assert [r["variant"] for r in printed[:6]] == [label for label, _ in compile_time.VARIANTS.values()]
+    assert printed[0]["compile ×bare"] == printed[0]["trace+lower ×bare"] == "1.00x"
+
+
+def test_predictive_benchmark_quick_trains_every_rule(capsys):
     module = load("predictive")
     results = module.main(["--quick", "--workloads", "regression"])
     [(name, workload)] = results["workloads"].items()
@@ -59,5 +126,40 @@ def test_predictive_benchmark_quick_trains_every_rule():
     # torch's 2**16 overflows this model's float16 gradients at the start.
     assert workload["runs"]["torch rule"]["skipped"][0]
     assert workload["runs"]["ls.predictive"]["headroom"] is not None
-    table = module.format_table(results)
-    assert "raw-column regression" in table and "torch rule / ls.predictive" in table
+    runs, summary = printed_tables(capsys.readouterr().out)
+    assert list(runs[0]) == list(module.RUN_HEADERS) and list(summary[0]) == list(module.SUMMARY_HEADERS)
+    assert [r["rule"] for r in runs] == ["float32", "torch rule", "ls.predictive"]
+    assert summary[0]["workload"] == "raw-column regression"
+
+
+@pytest.mark.parametrize("name", ["overhead", "compile_time", "predictive", "speedup"])
+def test_every_script_documents_its_flags_and_defaults(name, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        load(name).main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    assert "--out" in text and ("default:" in text or name == "speedup")
+
+
+def test_median_ci_uses_order_statistics():
+    # n = 20: the 6th smallest and the 6th largest, 95.9% coverage.
+    low, high, coverage = timing.median_ci(range(1, 21))
+    assert (low, high) == (6, 15) and coverage == pytest.approx(1 - 2 * 21700 / 2**20)
+    # Too few rounds for 95%: the range, at its own coverage.
+    assert timing.median_ci([3.0, 1.0, 2.0]) == (1.0, 3.0, 0.75)
+
+
+def test_variant_selection_adds_what_a_row_needs():
+    assert peers.resolve(["ls-fused-overflow"]) == ["bare", "ls-fused", "ls-fused-overflow"]
+    assert peers.resolve(["mpx"]) == ["bare", "eqx-bare", "mpx"]
+    with pytest.raises(ValueError, match="unknown variant"):
+        peers.resolve(["no-such-variant"])
+
+
+def test_results_json_round_trips(tmp_path):
+    """What --json writes is plain JSON (speedup.py and later analyses read it)."""
+    compile_time = load("compile_time")
+    path = tmp_path / "c.json"
+    compile_time.main(["--quick", "--leaves", "2", "--optimizers", "sgd", "--variants", "ls", "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert [r["variant"] for r in data["rows"]] == ["bare", "ls.dynamic"] and data["environment"]["backend"] == "cpu"
