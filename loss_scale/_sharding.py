@@ -20,7 +20,7 @@ def varying_axes(x) -> frozenset:
     manual = getattr(x, "manual_axis_type", None)
     if manual is not None:
         return frozenset(manual.varying)
-    return frozenset(getattr(x, "vma", ()))
+    return frozenset(getattr(x, "vma", None) or ())
 
 
 def match_varying(x: jax.Array, like) -> jax.Array:
