@@ -56,18 +56,27 @@ def raise_when_stuck(state: LossScaleState, leaf_finite: jax.Array, grads: PyTre
         for path, _ in jax.tree_util.tree_flatten_with_path(grads)[0]
     ]
 
-    def report(skips, scale, leaf_finite):
+    def report(skips, scale, leaf_finite, reason):
         if int(skips) != limit:
             return
+        head = (
+            f"loss_scale: {int(skips)} consecutive steps skipped (max_consecutive_skips={limit}); "
+            f"the scale is {float(scale):g}. "
+        )
+        if int(reason) == 2:
+            raise SkippedStepsError(
+                head + "The last one was a forward failure: the loss passed as value= was not finite, so the "
+                "forward pass itself overflowed or produced nan, which no loss scale can fix. Look for bad data, "
+                "a diverged model, or an op that overflows in float16 in the forward pass (compute it in float32)."
+            )
         bad = [path for path, ok in zip(paths, leaf_finite, strict=True) if not ok]
         raise SkippedStepsError(
-            f"loss_scale: {int(skips)} consecutive steps skipped (max_consecutive_skips={limit}); the scale is "
-            f"{float(scale):g}. Non-finite gradient leaves on the last step: {', '.join(bad) or '(none)'}. "
+            head + f"The last one was a gradient overflow; non-finite gradient leaves: {', '.join(bad) or '(none)'}. "
             "The gradients overflow at any scale: look for bad data, a diverged model, or an op that "
             "overflows in float16 whatever the loss scale."
         )
 
     def callback():
-        jax.debug.callback(report, state.consecutive_skips, state.scale, leaf_finite)
+        jax.debug.callback(report, state.consecutive_skips, state.scale, leaf_finite, state.skip_reason)
 
     jax.lax.cond(state.consecutive_skips == limit, callback, lambda: None)

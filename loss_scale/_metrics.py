@@ -16,6 +16,8 @@ _SCALARS = (
     "growths",
     "backoffs",
     "steps_at_min",
+    "skip_reason",
+    "nonfinite_losses",
 )
 
 

@@ -94,6 +94,17 @@ class Options(TypedDict, total=False):
             "is applied either way.",
         ),
     ]
+    backoff_on_nonfinite_loss: Annotated[
+        bool,
+        Option(
+            False,
+            validate.flag,
+            "with the loss passed as ``tx.update(..., value=loss)``, a non-finite loss is a forward failure: the "
+            "step is skipped and counted apart (``skip_reason`` 2, ``nonfinite_losses``), and by default the "
+            "scale is left as it was, since a smaller scale cannot make the forward pass finite; ``True`` backs "
+            "it off as for an overflow.",
+        ),
+    ]
     track_underflow: Annotated[
         bool,
         Option(

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import optax
 
 from loss_scale._check import GradStats
-from loss_scale._rules import Rule, RuleState
+from loss_scale._rules import Rule, RuleState, select
 
 
 class StepStats(NamedTuple):
@@ -65,6 +65,11 @@ class LossScaleState(NamedTuple):
       backoffs: int32, how many times the scale went down.
       steps_at_min: int32, steps taken with the scale at its minimum (many of
         them, with skips, mean the gradients overflow at any scale).
+      skip_reason: int32, why the most recent update was skipped: 0 it was
+        applied, 1 the gradients overflowed, 2 the loss passed as
+        ``tx.update(..., value=loss)`` was not finite (a forward failure).
+      nonfinite_losses: int32, updates skipped for a non-finite loss so far
+        (they count in ``skipped_steps`` too).
       counters: the rule's own counters, a NamedTuple
         (``DynamicCounters``, ``PredictiveCounters``, ...).
       stats: ``StepStats``, what the check saw on the most recent step.
@@ -89,6 +94,8 @@ class LossScaleState(NamedTuple):
     growths: jax.Array
     backoffs: jax.Array
     steps_at_min: jax.Array
+    skip_reason: jax.Array
+    nonfinite_losses: jax.Array
     counters: Any
     stats: StepStats
     inner_state: optax.OptState
@@ -140,6 +147,8 @@ def init_state(
         growths=zero(),
         backoffs=zero(),
         steps_at_min=zero(),
+        skip_reason=zero(),
+        nonfinite_losses=zero(),
         counters=start.counters,
         stats=StepStats(
             grad_max=zero(jnp.float32),
@@ -158,11 +167,26 @@ def next_state(
     stats: GradStats,
     finite: jax.Array,
     inner_state: optax.OptState,
+    loss_finite: jax.Array | None = None,
+    backoff_on_nonfinite_loss: bool = False,
 ) -> LossScaleState:
     """The state after one update: the rule moves the scale, the counters
-    record what happened, the statistics of this step replace the last."""
-    moved = rule.adjust(RuleState(state.scale, state.good_steps, state.counters), finite, stats.grad_max)
-    skipped = jnp.logical_not(finite)
+    record what happened, the statistics of this step replace the last.
+
+    ``loss_finite`` (``None`` when no loss was passed) tells a forward
+    failure apart: the step is skipped, but a smaller scale cannot make a
+    non-finite loss finite, so the rule does not see it unless
+    ``backoff_on_nonfinite_loss``."""
+    before = RuleState(state.scale, state.good_steps, state.counters)
+    if loss_finite is None:
+        loss_finite = jnp.array(True)
+    forward_failure = jnp.logical_not(loss_finite)
+    if backoff_on_nonfinite_loss:
+        moved = rule.adjust(before, jnp.logical_and(finite, loss_finite), stats.grad_max)
+    else:
+        moved = select(forward_failure, before, rule.adjust(before, finite, stats.grad_max))
+    skipped = jnp.logical_not(jnp.logical_and(finite, loss_finite))
+    skip_reason = jnp.where(forward_failure, 2, jnp.where(finite, 0, 1)).astype(jnp.int32)
     nonfinite_leaves = state.stats.nonfinite_leaves
     if nonfinite_leaves is not None:
         # Kept from the most recent skipped step, so a later clean step does
@@ -178,6 +202,8 @@ def next_state(
         growths=state.growths + (moved.scale > state.scale).astype(jnp.int32),
         backoffs=state.backoffs + (moved.scale < state.scale).astype(jnp.int32),
         steps_at_min=state.steps_at_min + (state.scale <= rule.floor).astype(jnp.int32),
+        skip_reason=skip_reason,
+        nonfinite_losses=state.nonfinite_losses + forward_failure.astype(jnp.int32),
         counters=moved.counters,
         stats=StepStats(
             grad_max=stats.grad_max,

@@ -187,9 +187,11 @@ def loss_scaled(inner: Any, rule: Rule, options: Settings) -> LossScaleTransform
             stats = GradStats(jnp.ones((0,), jnp.bool_), jnp.full((), jnp.nan, jnp.float32), None)
             return out, next_state(rule, state, stats, jnp.array(True), inner_state)
 
-        # 1. Check: one read of every gradient.
+        # 1. Check: one read of every gradient (and the loss, when passed).
         stats = gradient_stats(grads, scale, options.with_norm, options.track_underflow, options.axis_name)
         finite = jnp.all(stats.leaf_finite)
+        loss_finite = _loss_finite(extra_args.get("value"), options.axis_name)
+        go = finite if loss_finite is None else jnp.logical_and(finite, loss_finite)
         clip_factor = None
         if options.max_grad_norm is not None:
             norm = jnp.sqrt(stats.sq_norm)
@@ -220,9 +222,9 @@ def loss_scaled(inner: Any, rule: Rule, options: Settings) -> LossScaleTransform
             return zeros_like_shapes(out_shapes[0]), inner_state
 
         # 2. Apply or skip, on one scalar.
-        out, inner_state = jax.lax.cond(finite, taken, skip, grads, state.inner_state, params)
+        out, inner_state = jax.lax.cond(go, taken, skip, grads, state.inner_state, params)
         # 3. Adjust the scale and record the step.
-        new_state = next_state(rule, state, stats, finite, inner_state)
+        new_state = next_state(rule, state, stats, finite, inner_state, loss_finite, options.backoff_on_nonfinite_loss)
         if options.max_consecutive_skips is not None:
             raise_when_stuck(new_state, stats.leaf_finite, grads, options.max_consecutive_skips)
         return out, new_state
@@ -239,6 +241,20 @@ def loss_scaled(inner: Any, rule: Rule, options: Settings) -> LossScaleTransform
         return step(grads, state, params, extra_args, apply_to_params=True)
 
     return LossScaleTransformation(init_fn, update_fn, apply_gradients_fn)
+
+
+def _loss_finite(value: Any, axis_name: Any) -> jax.Array | None:
+    """Whether the loss passed as ``value=`` is finite (on every replica of
+    ``axis_name``); ``None`` when no loss was passed."""
+    if value is None:
+        return None
+    value = jnp.asarray(value)
+    if not jnp.issubdtype(value.dtype, jnp.inexact):
+        return None
+    finite = jnp.all(jnp.isfinite(value))
+    if axis_name is not None:
+        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    return finite
 
 
 def _is_state(x: Any) -> bool:

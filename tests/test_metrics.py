@@ -53,6 +53,8 @@ def test_metrics_dict_is_flat_scalars_and_works_under_jit():
             "growths",
             "backoffs",
             "steps_at_min",
+            "skip_reason",
+            "nonfinite_losses",
             "grad_max",
             "grad_norm",
             # the dynamic rule's own counters
