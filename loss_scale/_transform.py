@@ -209,17 +209,20 @@ def loss_scaled(inner: Any, rule: Rule, options: Settings) -> LossScaleTransform
         _skipped_inner_state(state.inner_state, out_shapes[1])  # raises here, outside the cond, if it must
         run_traced = jax.extend.core.jaxpr_as_fun(traced)
         out_treedef = jax.tree.structure(out_shapes)
+        # The jaxpr's output types, whose shard_map axis types the skip branch
+        # must match (older jax leaves them off the returned shapes).
+        out_types = jax.tree.unflatten(out_treedef, traced.out_avals)
 
         def taken(grads, inner_state, params):
             return jax.tree.unflatten(out_treedef, run_traced(*jax.tree.leaves((grads, inner_state, params))))
 
         def skip(grads, inner_state, params):
             del grads
-            inner_state = _skipped_inner_state(inner_state, out_shapes[1])
+            inner_state = _skipped_inner_state(inner_state, out_types[1])
             if apply_to_params:
                 # The params as they were: nothing is written, nothing is added.
-                return jax.tree.map(match_varying, params, out_shapes[0]), inner_state
-            return zeros_like_shapes(out_shapes[0]), inner_state
+                return jax.tree.map(match_varying, params, out_types[0]), inner_state
+            return zeros_like_shapes(out_types[0]), inner_state
 
         # 2. Apply or skip, on one scalar.
         out, inner_state = jax.lax.cond(go, taken, skip, grads, state.inner_state, params)

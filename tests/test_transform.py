@@ -176,6 +176,12 @@ PROMOTING = {
 }
 
 
+# Before jax 0.10, XLA:CPU fused a bfloat16 update inside the conditional
+# differently from the bare update: one case (inject_hyperparams around
+# scale_by_adam on bfloat16 params) came out one bfloat16 ulp apart.
+_XLA_FUSES_THE_SAME = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 10)
+
+
 @pytest.mark.filterwarnings("ignore::loss_scale.Float16StateWarning")
 @pytest.mark.parametrize("name", list(PROMOTING))
 def test_inner_update_that_widens_its_state_works_as_in_plain_optax(name):
@@ -192,8 +198,12 @@ def test_inner_update_that_widens_its_state_works_as_in_plain_optax(name):
         updates, state = update(grads, state, params)
         if poison is None:
             expected, inner_state = inner_update(grads, inner_state, params)
-            assert_trees_bitwise_equal(updates, expected)
-            assert_trees_bitwise_equal(state.inner_state, inner_state)
+            if _XLA_FUSES_THE_SAME:
+                assert_trees_bitwise_equal(updates, expected)
+                assert_trees_bitwise_equal(state.inner_state, inner_state)
+            else:
+                assert_trees_close_to_leaf_rounding((updates, state.inner_state), (expected, inner_state), name)
+                inner_state = state.inner_state  # go on from the same state, so the skip below is exact
         else:
             # Skipped: the state as it was (in the dtype the update gives it, exactly).
             assert bool(state.skipped)
