@@ -16,7 +16,10 @@ def _pins(name: str) -> dict[str, str]:
 
 
 def _minimums(requirements: list[str]) -> dict[str, str]:
-    return dict(m for r in requirements if (m := re.match(r"^([\w-]+)>=([\w.]+)", r)))
+    """``{name: version}`` of the ``name>=version`` requirements, without the
+    ones for older Pythons only (typing_extensions)."""
+    found = (re.match(r"^([\w-]+)>=([\w.]+)$", r) for r in requirements)
+    return dict(m.groups() for m in found if m)
 
 
 def test_ci_installs_the_declared_core_minimums():
