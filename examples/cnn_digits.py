@@ -34,7 +34,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import platform
+import pathlib
+import sys
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -45,20 +46,21 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax.training import train_state
-from sklearn.datasets import load_digits
-from sklearn.model_selection import train_test_split
-from tqdm.auto import tqdm
+from tqdm import tqdm  # not tqdm.auto, whose notebook widget needs ipywidgets: the notebooks import this
 
 import loss_scale as ls
 
+try:  # run as a script (examples/ is on sys.path), or from the notebooks
+    import _common
+except ModuleNotFoundError as error:  # imported by file path (the tests, benchmarks/predictive.py)
+    if error.name != "_common":
+        raise
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import _common
+
 # --precisions name: (label, policy string, whether float16 gets loss scaling)
-MODES = {
-    "float32": ("float32", "params=float32,compute=float32,output=float32", True),
-    "bfloat16": ("bfloat16", "params=float32,compute=bfloat16,output=float32", True),
-    "float16": ("float16, no scaling", "params=float32,compute=float16,output=float32", False),
-    "float16+dynamic": ("float16 + ls.dynamic", "params=float32,compute=float16,output=float32", True),
-}
-PLAIN, SCALED = MODES["float16"][0], MODES["float16+dynamic"][0]
+MODES = _common.PRECISIONS
+PLAIN, SCALED = _common.PLAIN, _common.SCALED
 
 
 class CNN(nn.Module):
@@ -78,11 +80,7 @@ class CNN(nn.Module):
 
 def make_data(args: argparse.Namespace) -> dict:
     """The digits, split 80/20 (stratified), and the training batches of every step."""
-    digits = load_digits()
-    images = (digits.images / 16.0).astype(np.float32)[..., None]  # pixels 0..16, scaled to 0..1
-    x_train, x_test, y_train, y_test = train_test_split(
-        images, digits.target.astype(np.int32), test_size=0.2, random_state=args.seed, stratify=digits.target
-    )
+    x_train, x_test, y_train, y_test = _common.digits(args.seed)
     rng = np.random.default_rng(args.seed)
     batches = np.stack([rng.choice(len(x_train), args.batch_size, replace=False) for _ in range(args.steps)])
     return {
@@ -134,11 +132,9 @@ def train_one(label: str, policy_text: str, scaled: bool, data: dict, args: argp
             bar.set_postfix(loss=f"{losses[-1]:.3f}", scale=f"{scales[-1]:g}")
     ms_per_step = 1000 * (time.perf_counter() - start) / max(args.steps - 1, 1)
     test_loss, test_accuracy = (float(v) for v in evaluate(state.params, *data["test"]))
-    tail = max(1, args.steps // 10)
-    finite_tail = [x for x in losses[-tail:] if math.isfinite(x)]
     return {
         "policy": str(policy),
-        "train_loss": float(np.mean(finite_tail)) if finite_tail else float("nan"),
+        "train_loss": _common.finite_tail_mean(losses, args.steps // 10),
         "test_loss": test_loss,
         "test_accuracy": test_accuracy,
         "skipped_steps": int(ls.find_state(state).skipped_steps),
@@ -151,32 +147,17 @@ def train_one(label: str, policy_text: str, scaled: bool, data: dict, args: argp
     }
 
 
-def add_gaps(results: dict) -> None:
-    """How closely each run follows float32: the mean over the steps of
-    ``|training loss - float32's training loss|`` (same data, same init)."""
-    if "float32" not in results["runs"]:
-        for run in results["runs"].values():
-            run["gap_to_float32"] = float("nan")
-        return
-    reference = np.asarray(results["runs"]["float32"]["losses"])
-    for run in results["runs"].values():
-        gap = np.abs(np.asarray(run["losses"]) - reference)
-        run["gap_to_float32"] = float(np.mean(gap[np.isfinite(gap)])) if np.isfinite(gap).any() else float("nan")
-
-
-def print_table(results: dict) -> None:
-    header = (
-        f"{'precision':<22}{'train loss':>11}{'test loss':>10}{'test acc':>10}{'|diff| vs f32':>15}"
-        f"{'skipped':>9}{'final scale':>13}{'ms/step':>9}{'compile s':>11}"
-    )
-    print(header)
-    print("-" * len(header))
-    for label, r in results["runs"].items():
-        print(
-            f"{label:<22}{r['train_loss']:>11.4f}{r['test_loss']:>10.4f}{100 * r['test_accuracy']:>9.1f}%"
-            f"{r['gap_to_float32']:>15.5f}{r['skipped_steps']:>9d}{r['final_scale']:>13g}"
-            f"{r['ms_per_step']:>9.2f}{r['compile_s']:>11.1f}"
-        )
+# The results table: (header, key in each run, format).
+COLUMNS = (
+    ("train loss", "train_loss", ".4f"),
+    ("test loss", "test_loss", ".4f"),
+    ("test acc", "test_accuracy", ".1%"),
+    ("|diff| vs f32", "gap_to_float32", ".5f"),
+    ("skipped", "skipped_steps", "d"),
+    ("final scale", "final_scale", "g"),
+    ("ms/step", "ms_per_step", ".2f"),
+    ("compile s", "compile_s", ".1f"),
+)
 
 
 def summarize(results: dict) -> str:
@@ -203,73 +184,13 @@ def summarize(results: dict) -> str:
     )
 
 
-def moving_average(values: Sequence[float], window: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(steps, averages)`` of a trailing moving average."""
-    window = max(1, min(window, len(values)))
-    averages = np.convolve(np.asarray(values, dtype=float), np.ones(window) / window, mode="valid")
-    return np.arange(len(averages)) + window - 1, averages
-
-
-def plot(results: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (loss_ax, gap_ax, scale_ax) = plt.subplots(1, 3, figsize=(17, 4.5))
-    window = max(1, results["config"]["steps"] // 50)
-    reference = np.asarray(results["runs"]["float32"]["losses"]) if "float32" in results["runs"] else None
-    for i, (label, r) in enumerate(results["runs"].items()):
-        color = f"C{i}"  # the same colour for a precision in every panel
-        loss_ax.semilogy(*moving_average(r["losses"], window), color=color, label=label)
-        if reference is not None and label != "float32":
-            gap = np.abs(np.asarray(r["losses"]) - reference)
-            gap_ax.semilogy(*moving_average(gap, window), color=color, label=label)
-    loss_ax.set(title="Training loss (moving average)", xlabel="step", ylabel="cross-entropy (log axis)")
-    gap_ax.set(
-        title="Distance from the float32 run (moving average)",
-        xlabel="step",
-        ylabel="|loss - float32 loss| (log axis)",
-    )
-    if SCALED in results["runs"]:
-        dyn = results["runs"][SCALED]
-        scale_ax.semilogy(dyn["scales"], base=2, label="loss scale")
-        skips = np.flatnonzero(dyn["skipped"])
-        marks = np.asarray(dyn["scales"])[skips]
-        scale_ax.semilogy(skips, marks, "rx", base=2, label=f"skipped step ({len(skips)})")
-    scale_ax.set(title="float16 + ls.dynamic: loss scale", xlabel="step", ylabel="scale (log2 axis)")
-    for ax in (loss_ax, gap_ax, scale_ax):
-        ax.grid(alpha=0.3)
-        if ax.has_data():
-            ax.legend()
-    fig.suptitle(f"CNN on scikit-learn digits ({results['config']['steps']} steps)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=400, help="training steps per precision")
-    parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser = _common.make_parser(__doc__, steps=400)
+    parser.add_argument("--batch-size", type=int, default=64, help="images per training batch")
+    parser.add_argument("--lr", type=float, default=2e-3, help="Adam learning rate")
     parser.add_argument("--growth-interval", type=int, default=100, help="ls.dynamic growth interval")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--precisions",
-        default=",".join(MODES),
-        help=f"comma-separated, from {', '.join(MODES)} (default: all)",
-    )
-    parser.add_argument("--plot", metavar="PATH", help="save a PNG of the training curves")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error("--steps must be >= 1")
-    args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
-    unknown = [p for p in args.precisions if p not in MODES]
-    if unknown or not args.precisions:
-        parser.error(f"--precisions: unknown {unknown}, choose from {', '.join(MODES)}")
-    return args
+    _common.add_run_options(parser, precisions=True, plot=True, progress=True)
+    return _common.parse(parser, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -277,7 +198,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
     data = make_data(args)
     print(
         f"digits: {len(data['train'][1])} train / {len(data['test'][1])} test images, {args.steps} steps of "
-        f"{args.batch_size}, on {jax.devices()[0].platform} ({platform.machine()}, {jax.device_count()} device)"
+        f"{args.batch_size}, on {_common.device_line()}"
     )
     results: dict = {"config": vars(args), "runs": {}}
     wall = time.perf_counter()
@@ -285,14 +206,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         label, policy_text, scaled = MODES[name]
         results["runs"][label] = train_one(label, policy_text, scaled, data, args)
     results["wall_s"] = time.perf_counter() - wall
-    add_gaps(results)
-    print_table(results)
-    results["summary"] = summarize(results)
-    print(results["summary"])
-    print(f"total wall time {results['wall_s']:.0f} s")
-    if args.plot:
-        plot(results, args.plot)
-        print(f"plot saved to {args.plot}")
+    _common.add_gaps(results["runs"])
+    title = f"CNN on scikit-learn digits ({args.steps} steps)"
+    _common.report(results, COLUMNS, summarize(results), title=title)
     return results
 
 

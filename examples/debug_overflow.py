@@ -21,6 +21,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import pathlib
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +33,14 @@ import numpy as np
 import optax
 
 import loss_scale as ls
+
+try:  # run as a script (examples/ is on sys.path), or from the notebooks
+    import _common
+except ModuleNotFoundError as error:  # imported by file path (the tests, benchmarks/predictive.py)
+    if error.name != "_common":
+        raise
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import _common
 
 
 class Regressor(nn.Module):
@@ -84,18 +94,29 @@ def train(unnormalized: bool, steps: int, batch: int = 256) -> dict[str, Any]:
     }
 
 
+# The results table: (header, key in each run, format).
+COLUMNS = (
+    ("skipped", "skipped_steps", "d"),
+    ("final scale", "final_scale", "g"),
+    ("final loss", "final_loss", ".4f"),
+    ("leaves that overflowed", "overflow_leaves", "s"),
+)
+
+
+def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
+    parser = _common.make_parser(__doc__, steps=100)
+    return _common.parse(parser, argv)
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=100)
-    args = parser.parse_args(argv)
+    args = parse_args(argv)
     results = {
         "unnormalized column": train(unnormalized=True, steps=args.steps),
         "normalized": train(unnormalized=False, steps=args.steps),
     }
-    print(f"{'data':22s} {'skipped':>8s} {'final scale':>12s} {'final loss':>11s}  leaves that overflowed")
-    for name, r in results.items():
-        paths = ", ".join(r["overflow_paths"]) or "-"
-        print(f"{name:22s} {r['skipped_steps']:8d} {r['final_scale']:12g} {r['final_loss']:11.4f}  {paths}")
+    for r in results.values():
+        r["overflow_leaves"] = ", ".join(r["overflow_paths"]) or "-"
+    _common.print_table(results, COLUMNS, first="data")
     bad, good = results["unnormalized column"], results["normalized"]
     if bad["overflow_paths"]:
         print(

@@ -23,6 +23,9 @@ The training loop is plain NNX: ``nnx.Optimizer(model, tx, wrt=nnx.Param)``
 with ``tx`` from ``Policy.loss_scaling`` (``ls.dynamic`` for float16,
 ``ls.no_op`` otherwise) and ``loss_scale.flax.nnx_value_and_grad``.
 
+``NextToken`` is a smaller model of the same text (the previous few word
+pieces through one hidden layer), which notebooks 02 and 03 train.
+
 Usage::
 
     python examples/nnx_lm.py                     # about a minute on 2 CPU cores
@@ -38,8 +41,8 @@ import argparse
 import collections
 import math
 import pathlib
-import platform
 import re
+import sys
 import sysconfig
 import time
 from collections.abc import Sequence
@@ -50,19 +53,22 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
-from tqdm.auto import tqdm
+from tqdm import tqdm  # not tqdm.auto, whose notebook widget needs ipywidgets: the notebooks import this
 
 import loss_scale as ls
 import loss_scale.flax as lsf
 
+try:  # run as a script (examples/ is on sys.path), or from the notebooks
+    import _common
+except ModuleNotFoundError as error:  # imported by file path (the tests, benchmarks/predictive.py)
+    if error.name != "_common":
+        raise
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import _common
+
 # --precisions name: (label, policy string, whether float16 gets loss scaling)
-MODES = {
-    "float32": ("float32", "params=float32,compute=float32,output=float32", True),
-    "bfloat16": ("bfloat16", "params=float32,compute=bfloat16,output=float32", True),
-    "float16": ("float16, no scaling", "params=float32,compute=float16,output=float32", False),
-    "float16+dynamic": ("float16 + ls.dynamic", "params=float32,compute=float16,output=float32", True),
-}
-PLAIN, SCALED = MODES["float16"][0], MODES["float16+dynamic"][0]
+MODES = _common.PRECISIONS
+PLAIN, SCALED = _common.PLAIN, _common.SCALED
 
 
 def load_text(max_bytes: int) -> bytes:
@@ -177,6 +183,34 @@ class TransformerLM(nnx.Module):
         return self.head(self.ln_f(x))
 
 
+class NextToken(nnx.Module):
+    """A small next-token model: embeds the previous ``context`` tokens and
+    predicts the next one through a hidden layer; computes in ``dtype``,
+    keeps float32 params. Trained by notebooks 02 and 03: its softmax over
+    the whole vocabulary is where float16 gradients get small.
+    """
+
+    def __init__(self, vocab: int, context: int, dim: int = 64, hidden: int = 128, *, dtype: Any, rngs: nnx.Rngs):
+        kw = dict(dtype=dtype, param_dtype=jnp.float32, rngs=rngs)
+        self.embed = nnx.Embed(vocab, dim, **kw)
+        self.hidden = nnx.Linear(context * dim, hidden, **kw)
+        self.norm = nnx.LayerNorm(hidden, **kw)
+        self.head = nnx.Linear(hidden, vocab, **kw)
+
+    def __call__(self, context: jax.Array) -> jax.Array:
+        x = self.embed(context).reshape(context.shape[0], -1)
+        return self.head(nnx.gelu(self.norm(self.hidden(x))))
+
+
+def next_token_batch(
+    tokens: np.ndarray, rng: np.random.Generator, batch_size: int, context: int
+) -> tuple[jax.Array, jax.Array]:
+    """``(contexts [batch, context], next tokens [batch])`` at random places in ``tokens``."""
+    start = rng.integers(0, len(tokens) - context, batch_size)
+    window = jnp.asarray(tokens[start[:, None] + np.arange(context + 1)])
+    return window[:, :-1], window[:, -1]
+
+
 def make_loss_fn(policy: ls.Policy):
     def loss_fn(model: TransformerLM, batch: jax.Array) -> jax.Array:
         logits = policy.cast_to_output(model(batch[:, :-1]))
@@ -233,11 +267,9 @@ def train_one(label: str, policy_text: str, scaled: bool, data: dict, args: argp
             bar.set_postfix(loss=f"{losses[-1]:.3f}", scale=f"{scales[-1]:g}")
     ms_per_step = 1000 * (time.perf_counter() - start) / max(args.steps - 1, 1)
     val = np.mean([float(eval_loss(model, b)) for b in data["val"]])
-    tail = max(1, args.steps // 10)
-    finite_tail = [x for x in losses[-tail:] if math.isfinite(x)]
     return {
         "policy": str(policy),
-        "train_loss": float(np.mean(finite_tail)) if finite_tail else float("nan"),
+        "train_loss": _common.finite_tail_mean(losses, args.steps // 10),
         "val_loss": float(val),
         "skipped_steps": int(lsf.find_state(optimizer).skipped_steps),
         "final_scale": float(lsf.get_scale(optimizer)),
@@ -251,32 +283,17 @@ def train_one(label: str, policy_text: str, scaled: bool, data: dict, args: argp
     }
 
 
-def add_gaps(results: dict) -> None:
-    """How closely each run follows float32: the mean over the steps of
-    ``|training loss - float32's training loss|`` (same data, same init)."""
-    if "float32" not in results["runs"]:
-        for run in results["runs"].values():
-            run["gap_to_float32"] = float("nan")
-        return
-    reference = np.asarray(results["runs"]["float32"]["losses"])
-    for run in results["runs"].values():
-        gap = np.abs(np.asarray(run["losses"]) - reference)
-        run["gap_to_float32"] = float(np.mean(gap[np.isfinite(gap)])) if np.isfinite(gap).any() else float("nan")
-
-
-def print_table(results: dict) -> None:
-    header = (
-        f"{'precision':<22}{'train loss':>11}{'val loss':>10}{'|diff| vs f32':>15}{'skipped':>9}"
-        f"{'final scale':>13}{'max zero grads':>16}{'ms/step':>9}{'compile s':>11}"
-    )
-    print(header)
-    print("-" * len(header))
-    for label, r in results["runs"].items():
-        print(
-            f"{label:<22}{r['train_loss']:>11.4f}{r['val_loss']:>10.4f}{r['gap_to_float32']:>15.5f}"
-            f"{r['skipped_steps']:>9d}{r['final_scale']:>13g}{100 * r['zero_grad_peak']:>15.2f}%"
-            f"{r['ms_per_step']:>9.1f}{r['compile_s']:>11.1f}"
-        )
+# The results table: (header, key in each run, format).
+COLUMNS = (
+    ("train loss", "train_loss", ".4f"),
+    ("val loss", "val_loss", ".4f"),
+    ("|diff| vs f32", "gap_to_float32", ".5f"),
+    ("skipped", "skipped_steps", "d"),
+    ("final scale", "final_scale", "g"),
+    ("max zero grads", "zero_grad_peak", ".2%"),
+    ("ms/step", "ms_per_step", ".1f"),
+    ("compile s", "compile_s", ".1f"),
+)
 
 
 def summarize(results: dict) -> str:
@@ -302,83 +319,20 @@ def summarize(results: dict) -> str:
     )
 
 
-def moving_average(values: Sequence[float], window: int) -> tuple[np.ndarray, np.ndarray]:
-    """``(steps, averages)`` of a trailing moving average."""
-    window = max(1, min(window, len(values)))
-    averages = np.convolve(np.asarray(values, dtype=float), np.ones(window) / window, mode="valid")
-    return np.arange(len(averages)) + window - 1, averages
-
-
-def plot(results: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
-    (loss_ax, gap_ax), (zero_ax, scale_ax) = axes
-    window = max(1, results["config"]["steps"] // 50)
-    reference = np.asarray(results["runs"]["float32"]["losses"]) if "float32" in results["runs"] else None
-    for i, (label, r) in enumerate(results["runs"].items()):
-        color = f"C{i}"  # the same colour for a precision in every panel
-        loss_ax.plot(*moving_average(r["losses"], window), color=color, label=label)
-        if reference is not None and label != "float32":
-            gap = np.abs(np.asarray(r["losses"]) - reference)
-            gap_ax.semilogy(*moving_average(gap, window), color=color, label=label)
-        zero_ax.plot(100 * np.asarray(r["zero_fractions"]), color=color, label=label)
-    loss_ax.set(title="Training loss (moving average)", xlabel="step", ylabel="cross-entropy (nats/token)")
-    gap_ax.set(
-        title="Distance from the float32 run (moving average)",
-        xlabel="step",
-        ylabel="|loss - float32 loss| (log axis)",
-    )
-    zero_ax.set(title="Gradient elements that are exactly zero", xlabel="step", ylabel="% of elements")
-    if SCALED in results["runs"]:
-        dyn = results["runs"][SCALED]
-        scale_ax.semilogy(dyn["scales"], base=2, label="loss scale")
-        skips = np.flatnonzero(dyn["skipped"])
-        marks = np.asarray(dyn["scales"])[skips]
-        scale_ax.semilogy(skips, marks, "rx", base=2, label=f"skipped step ({len(skips)})")
-    scale_ax.set(title="float16 + ls.dynamic: loss scale", xlabel="step", ylabel="scale (log2 axis)")
-    for ax in axes.flat:
-        ax.grid(alpha=0.3)
-        if ax.has_data():
-            ax.legend()
-    fig.suptitle(f"Transformer LM on the Python stdlib ({results['config']['steps']} steps)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
-
-
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=150, help="training steps per precision")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=64)
-    parser.add_argument("--dim", type=int, default=64)
-    parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--layers", type=int, default=2)
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser = _common.make_parser(__doc__, steps=150)
+    parser.add_argument("--batch-size", type=int, default=16, help="sequences per training batch")
+    parser.add_argument("--seq-len", type=int, default=64, help="tokens per sequence")
+    parser.add_argument("--dim", type=int, default=64, help="model width")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument("--layers", type=int, default=2, help="transformer blocks")
+    parser.add_argument("--lr", type=float, default=3e-3, help="AdamW peak learning rate (warmup, cosine decay)")
     parser.add_argument("--growth-interval", type=int, default=100, help="ls.dynamic growth interval")
     parser.add_argument("--vocab", type=int, default=2048, help="vocabulary size (word pieces)")
     parser.add_argument("--max-bytes", type=int, default=2_000_000, help="bytes of stdlib source to read")
-    parser.add_argument("--val-batches", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument(
-        "--precisions",
-        default=",".join(MODES),
-        help=f"comma-separated, from {', '.join(MODES)} (default: all)",
-    )
-    parser.add_argument("--plot", metavar="PATH", help="save a PNG of the training curves")
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error("--steps must be >= 1")
-    args.precisions = [p.strip() for p in args.precisions.split(",") if p.strip()]
-    unknown = [p for p in args.precisions if p not in MODES]
-    if unknown or not args.precisions:
-        parser.error(f"--precisions: unknown {unknown}, choose from {', '.join(MODES)}")
-    return args
+    parser.add_argument("--val-batches", type=int, default=8, help="validation batches")
+    _common.add_run_options(parser, precisions=True, plot=True, progress=True)
+    return _common.parse(parser, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -388,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> dict:
         f"{data['bytes'] / 1e6:.1f} MB of Python stdlib source = {data['tokens']:,} tokens "
         f"({100 * data['unknown']:.1f}% out of vocabulary), {args.steps} steps of {args.batch_size}x{args.seq_len} "
         f"tokens, {args.layers} layers x {args.dim} dims, "
-        f"on {jax.devices()[0].platform} ({platform.machine()}, {jax.device_count()} device)"
+        f"on {_common.device_line()}"
     )
     results: dict = {"config": vars(args), "runs": {}}
     wall = time.perf_counter()
@@ -396,14 +350,9 @@ def main(argv: Sequence[str] | None = None) -> dict:
         label, policy_text, scaled = MODES[name]
         results["runs"][label] = train_one(label, policy_text, scaled, data, args)
     results["wall_s"] = time.perf_counter() - wall
-    add_gaps(results)
-    print_table(results)
-    results["summary"] = summarize(results)
-    print(results["summary"])
-    print(f"total wall time {results['wall_s']:.0f} s")
-    if args.plot:
-        plot(results, args.plot)
-        print(f"plot saved to {args.plot}")
+    _common.add_gaps(results["runs"])
+    title = f"Transformer LM on the Python stdlib ({args.steps} steps)"
+    _common.report(results, COLUMNS, summarize(results), title=title, log_loss=False)
     return results
 
 

@@ -39,6 +39,7 @@ Usage::
     python examples/quickstart.py                # 30-50 s on 2 CPU cores
     python examples/quickstart.py --steps 100    # float32 and ls.dynamic get close to the best loss
     python examples/quickstart.py --vocab 4096   # half the logit gradients flush, with no effect on the loss here
+    python examples/quickstart.py --steps 100 --plot quickstart.png
 
 The harm grows with tokens x vocabulary: here it shows from about 2**25
 (the default), where a class at ``p = 1 / vocab`` gets a gradient of 2**-25.
@@ -51,6 +52,8 @@ from __future__ import annotations
 
 import argparse
 import math
+import pathlib
+import sys
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -60,9 +63,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from tqdm.auto import tqdm
+from tqdm import tqdm  # not tqdm.auto, whose notebook widget needs ipywidgets: the notebooks import this
 
 import loss_scale as ls
+
+try:  # run as a script (examples/ is on sys.path), or from the notebooks
+    import _common
+except ModuleNotFoundError as error:  # imported by file path (the tests, benchmarks/predictive.py)
+    if error.name != "_common":
+        raise
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+    import _common
 
 Params = Any
 
@@ -241,19 +252,16 @@ def make_data(args: argparse.Namespace) -> dict:
     }
 
 
-def print_table(results: dict) -> None:
-    header = (
-        f"{'precision':<22}{'train loss':>11}{'eval loss':>10}{'excess':>8}{'zero logit grads':>18}"
-        f"{'final scale':>13}{'skipped':>9}{'ms/step':>9}"
-    )
-    print(header)
-    print("-" * len(header))
-    for label, r in results["runs"].items():
-        print(
-            f"{label:<22}{r['train_loss']:>11.3f}{r['eval_loss']:>10.3f}{r['excess_loss']:>8.3f}"
-            f"{100 * r['zero_grad_fraction']:>17.1f}%{r['final_scale']:>13g}{r['skipped_steps']:>9d}"
-            f"{r['ms_per_step']:>9.0f}"
-        )
+# The results table: (header, key in each run, format).
+COLUMNS = (
+    ("train loss", "train_loss", ".3f"),
+    ("eval loss", "eval_loss", ".3f"),
+    ("excess", "excess_loss", ".3f"),
+    ("zero logit grads", "zero_grad_fraction", ".1%"),
+    ("final scale", "final_scale", "g"),
+    ("skipped", "skipped_steps", "d"),
+    ("ms/step", "ms_per_step", ".0f"),
+)
 
 
 def summarize(results: dict) -> str:
@@ -278,8 +286,7 @@ def summarize(results: dict) -> str:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=15, help="training steps per run")
+    parser = _common.make_parser(__doc__, steps=15)
     parser.add_argument("--tokens", type=int, default=1024, help="tokens per batch (the mean's denominator)")
     parser.add_argument("--vocab", type=int, default=32768, help="vocabulary size (output classes)")
     parser.add_argument("--num-inputs", type=int, default=256, help="distinct input tokens")
@@ -287,12 +294,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=2.5, help="teacher: weight of the token-dependent term")
     parser.add_argument("--lr", type=float, default=3e-2, help="Adam learning rate")
     parser.add_argument("--growth-interval", type=int, default=2000, help="ls.dynamic growth interval")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-progress", action="store_true", help="no progress bars")
-    args = parser.parse_args(argv)
-    if args.steps < 1:
-        parser.error("--steps must be >= 1")
-    return args
+    _common.add_run_options(parser, plot=True, progress=True)
+    return _common.parse(parser, argv)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
@@ -310,16 +313,14 @@ def main(argv: Sequence[str] | None = None) -> dict:
     data = make_data(args)
     print(
         f"{args.steps} steps of {args.tokens} tokens, vocabulary {args.vocab}, width {args.width}; "
-        f"best possible loss (teacher entropy) {data['teacher_entropy']:.3f}; on {jax.devices()[0].platform}"
+        f"best possible loss (teacher entropy) {data['teacher_entropy']:.3f}; on {_common.device_line()}"
     )
     results: dict = {"config": vars(args), "teacher_entropy": data["teacher_entropy"], "runs": {}}
     for label, compute_dtype, scaled in RUNS:
         results["runs"][label] = train_one(label, compute_dtype, scaled, data, args)
     results["wall_s"] = time.perf_counter() - wall
-    print_table(results)
-    results["summary"] = summarize(results)
-    print(results["summary"])
-    print(f"total wall time {results['wall_s']:.0f} s")
+    title = f"float16 LM head, vocabulary {args.vocab} ({args.steps} steps of {args.tokens} tokens)"
+    _common.report(results, COLUMNS, summarize(results), title=title)
     return results
 
 

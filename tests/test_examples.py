@@ -1,11 +1,20 @@
 """Smoke runs of the examples with tiny step counts: they run, return their
-results, print their table and save their plot."""
+results, print their table and save their plot; ``python examples/NAME.py
+--help`` works from the repository root and shows every option's default."""
 
 import math
+import os
 import pathlib
+import re
+import subprocess
+import sys
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
+import loss_scale as ls
 from tests._scripts import ROOT, load_script
 
 pytest.importorskip("flax")
@@ -13,6 +22,7 @@ pytest.importorskip("tqdm")
 pytest.importorskip("matplotlib")
 
 EXAMPLES = ROOT / "examples"
+SCRIPTS = sorted(p.stem for p in EXAMPLES.glob("*.py") if not p.name.startswith("_"))
 LABELS = ("float32", "bfloat16", "float16, no scaling", "float16 + ls.dynamic")
 
 
@@ -63,3 +73,94 @@ def test_unknown_precision_is_rejected(name, capsys):
     with pytest.raises(SystemExit):
         load(name).parse_args(["--precisions", "float32,float8"])
     assert "float8" in capsys.readouterr().err
+
+
+def test_equinox_mlp_trains_in_float16(tmp_path, capsys):
+    pytest.importorskip("equinox")
+    pytest.importorskip("sklearn")
+    import equinox as eqx
+
+    plot = tmp_path / "mlp.png"
+    module = load("equinox_mlp")
+    results = module.main(["--steps", "60", "--rows", "3", "--plot", str(plot)])
+    out = capsys.readouterr().out
+    rows = list(results["rows"].values())
+    assert list(results["rows"]) == ["20", "40", "60"] and "test acc" in out and "skipped" in out
+    # It trains: the loss falls row after row, the accuracy rises far above chance.
+    losses = [row["train_loss"] for row in rows]
+    assert losses == sorted(losses, reverse=True) and losses[-1] < 0.5 * losses[0]
+    assert results["initial_test_accuracy"] < 0.3 and rows[-1]["test_accuracy"] > 0.75
+    (run,) = results["runs"].values()
+    assert len(run["losses"]) == 60 and all(math.isfinite(x) for x in run["losses"])
+    assert run["final_scale"] >= 2.0**15 and run["skipped_steps"] == 0
+    # float16 compute: the arrays the forward and backward passes use are float16, and so
+    # are the logits; the model keeps float32 master weights, which Adam updates.
+    model, policy = results["model"], ls.Policy.from_string(results["policy"])
+    assert policy.compute_dtype == jnp.float16
+    arrays = eqx.filter(model, eqx.is_inexact_array)
+    assert {a.dtype for a in jax.tree.leaves(policy.cast_to_compute(arrays))} == {jnp.dtype(jnp.float16)}
+    assert {a.dtype for a in jax.tree.leaves(arrays)} == {jnp.dtype(jnp.float32)}
+    x = module.load_data(0)["test"][0][:4]
+    assert jax.vmap(policy.cast_to_compute(model))(policy.cast_to_compute(x)).dtype == jnp.float16
+    assert plot.stat().st_size > 10_000
+
+
+def test_next_token_model_and_batches():
+    from flax import nnx
+
+    nnx_lm = load("nnx_lm")
+    tokens = np.arange(1000, dtype=np.int32) % 50
+    context, targets = nnx_lm.next_token_batch(tokens, np.random.default_rng(0), 8, 3)
+    assert context.shape == (8, 3) and targets.shape == (8,)
+    np.testing.assert_array_equal(np.asarray(targets), (np.asarray(context[:, -1]) + 1) % 50)
+    model = nnx_lm.NextToken(50, 3, dtype=jnp.float16, rngs=nnx.Rngs(0))
+    logits = model(context)
+    assert logits.shape == (8, 50) and logits.dtype == jnp.float16
+    assert model.head.kernel.value.dtype == jnp.float32
+
+
+def options_help(text: str) -> dict[str, str]:
+    """``--help``'s option entries: the option's flags -> its whole entry, continuation lines joined."""
+    section = text.split("options:\n", 1)[1].split("\n\n", 1)[0]
+    entries = re.split(r"\n(?=  -)", section)
+    return {entry.split()[0].rstrip(","): " ".join(entry.split()) for entry in entries}
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_help_shows_every_default(name):
+    # From the repository root, as the README runs them: examples/_common.py is
+    # found because Python puts the script's folder on sys.path.
+    env = {**os.environ, "COLUMNS": "100"}
+    result = subprocess.run(
+        [sys.executable, f"examples/{name}.py", "--help"],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    entries = options_help(result.stdout)
+    assert "--steps" in entries and len(entries) >= 2
+    for flag, entry in entries.items():
+        assert flag == "-h" or "(default:" in entry, (name, entry)
+    assert f"python examples/{name}.py" in result.stdout  # the usage lines of its docstring
+
+
+def test_the_examples_are_found():
+    assert SCRIPTS == ["cnn_digits", "debug_overflow", "equinox_mlp", "nnx_lm", "quickstart"]
+
+
+def test_results_table():
+    common = load_script(EXAMPLES / "_common.py", "_common")
+    rows = {
+        "float32": {"loss": 0.12345, "acc": 0.9, "n": 3},
+        "float16 + ls.dynamic": {"loss": float("nan"), "acc": 1.0, "n": 12},
+    }
+    text = common.format_table(rows, [("loss", "loss", ".3f"), ("accuracy", "acc", ".1%"), ("n", "n", "d")])
+    assert text.splitlines() == [
+        "precision                loss  accuracy   n",
+        "-------------------------------------------",
+        "float32                 0.123     90.0%   3",
+        "float16 + ls.dynamic      nan    100.0%  12",
+    ]
