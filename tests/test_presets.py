@@ -3,7 +3,7 @@
 Three kinds of evidence, table-driven over the presets:
 
 * random overflow sequences (hypothesis) against the plain-Python
-  transcriptions of the peers' rules in tests/peer_rules.py;
+  transcriptions of the peers' rules in tests/oracles.py;
 * trajectories recorded from the peers' released sources
   (tests/data/peer_trajectories.json: Keras 3, DeepSpeed, megatron-core,
   Cerebras; tests/data/torch_gradscaler.json: torch), which also check the
@@ -34,7 +34,7 @@ import pytest
 
 import loss_scale as ls
 from loss_scale._validate import FLOAT32_TINY
-from tests import peer_rules
+from tests import oracles
 
 DATA = pathlib.Path(__file__).parent / "data"
 FIXTURE = json.loads((DATA / "peer_trajectories.json").read_text())
@@ -150,22 +150,22 @@ def _recorded_configs(peer: str) -> tuple:
 
 PEERS = {
     "torch": Peer(
-        peer_rules.torch_gradscaler,
+        oracles.torch_gradscaler,
         (
             {"init_scale": 2.0**10, "growth_interval": 1},
             {"init_scale": 1.0, "growth_factor": 1.5, "backoff_factor": 0.25, "growth_interval": 3},
             {"init_scale": 2.0**-100, "growth_factor": 4.0, "backoff_factor": 0.125, "growth_interval": 2},
         ),
     ),
-    "keras": Peer(peer_rules.keras3, _recorded_configs("keras")),
+    "keras": Peer(oracles.keras3, _recorded_configs("keras")),
     "tf_keras": Peer(
-        peer_rules.tf_keras,
+        oracles.tf_keras,
         ({"initial_scale": 4.0, "dynamic_growth_steps": 2}, {"dynamic_growth_steps": 3}, {}),
     ),
-    "deepspeed": Peer(peer_rules.deepspeed, _recorded_configs("deepspeed"), (("raise_error_at_min_scale", False),)),
-    "megatron": Peer(peer_rules.megatron, _recorded_configs("megatron")),
+    "deepspeed": Peer(oracles.deepspeed, _recorded_configs("deepspeed"), (("raise_error_at_min_scale", False),)),
+    "megatron": Peer(oracles.megatron, _recorded_configs("megatron")),
     "apex": Peer(
-        peer_rules.apex,
+        oracles.apex,
         (
             {"init_scale": 2.0**10, "scale_window": 2, "max_loss_scale": 2.0**12},
             {"init_scale": 2.0**30, "scale_window": 1, "min_loss_scale": 2.0**20},
@@ -173,7 +173,7 @@ PEERS = {
         ),
     ),
     "flax": Peer(
-        peer_rules.flax_dynamic_scale,
+        oracles.flax_dynamic_scale,
         (
             {"scale": 2.0**10, "growth_interval": 1},
             {"scale": 3.0, "growth_factor": 1.5, "backoff_factor": 0.25, "growth_interval": 0},
@@ -182,14 +182,14 @@ PEERS = {
         ),
     ),
     "jmp": Peer(
-        peer_rules.jmp_dynamic_loss_scale,
+        oracles.jmp_dynamic_loss_scale,
         (
             {"loss_scale": 2.0**10, "period": 1},
             {"loss_scale": 16.0, "period": 3, "factor": 4, "min_loss_scale": 0.25},
             {"loss_scale": 1.0, "period": 2},
         ),
     ),
-    "cerebras": Peer(peer_rules.cerebras, _recorded_configs("cerebras")),
+    "cerebras": Peer(oracles.cerebras, _recorded_configs("cerebras")),
 }
 
 OVERFLOWS = st.one_of(
@@ -232,7 +232,7 @@ def test_preset_and_transcription_equal_the_recorded_peer(preset):
         overflows, skipped = _flags(t["overflows"]), _flags(t["skipped"])
         peer = list(zip(t["scales"], skipped, strict=True))
         if preset == "deepspeed" and t["raised_at"] is not None:
-            with pytest.raises(peer_rules.DeepSpeedMinScaleError) as raised:
+            with pytest.raises(oracles.DeepSpeedMinScaleError) as raised:
                 transcription(overflows + [True], **t["config"])
             assert raised.value.at == t["raised_at"] and raised.value.trajectory == peer
         else:
@@ -311,7 +311,7 @@ def test_torch_preset_equals_real_gradscaler(config):
     torch = pytest.importorskip("torch")
     for overflows in _sequences(0):
         peer = _real_torch(torch, config, overflows)
-        assert_peer_equals_transcription(peer, peer_rules.torch_gradscaler(overflows, **config))
+        assert_peer_equals_transcription(peer, oracles.torch_gradscaler(overflows, **config))
         scales, skipped = run_preset("torch", config, overflows)
         assert_same_trajectory(scales, skipped, peer, context=str(config))
 
@@ -330,7 +330,7 @@ def test_jmp_preset_equals_real_dynamic_loss_scale(config):
         for overflow in overflows:  # eagerly: under jit jmp drops its minimum
             state = state.adjust(jnp.asarray(not overflow))
             peer.append((float(state.loss_scale), bool(overflow)))
-        assert_peer_equals_transcription(peer, peer_rules.jmp_dynamic_loss_scale(overflows, **config))
+        assert_peer_equals_transcription(peer, oracles.jmp_dynamic_loss_scale(overflows, **config))
         scales, skipped = run_preset("jmp", config, overflows)
         assert_same_trajectory(scales, skipped, peer, context=str(config))
 
@@ -364,7 +364,7 @@ def test_flax_preset_equals_real_dynamic_scale(config):
             values = jnp.array([float(BAD[i % 3]) if overflow else 1.0, 1.0])
             ds, finite, _, _ = step(ds, params, values)
             peer.append((float(ds.scale), not bool(finite)))
-        assert_peer_equals_transcription(peer, peer_rules.flax_dynamic_scale(overflows, **config))
+        assert_peer_equals_transcription(peer, oracles.flax_dynamic_scale(overflows, **config))
         scales, skipped = run_preset("flax", config, overflows)
         assert_same_trajectory(scales, skipped, peer, context=str(config))
 
@@ -499,7 +499,7 @@ def test_flax_grows_to_float32_max_like_flax():
     config = PEERS["flax"].configs[0]  # growth_interval 1: growth on every second clean step
     scales, _ = run_preset("flax", config, [False] * 3, initial=2.0**127)
     assert list(scales) == [2.0**127, FLOAT32_MAX, FLOAT32_MAX]
-    peer = peer_rules.flax_dynamic_scale([False] * 3, **{**config, "scale": 2.0**127})
+    peer = oracles.flax_dynamic_scale([False] * 3, **{**config, "scale": 2.0**127})
     assert [s for s, _ in peer] == list(scales)
 
 
@@ -524,7 +524,7 @@ def test_torch_transcription_rounds_inexact_factors_as_real_gradscaler():
     config = {"init_scale": 1000.0, "growth_factor": 1.1, "backoff_factor": 0.9, "growth_interval": 1}
     overflows = _sequences(3, count=1)[0]
     assert_peer_equals_transcription(
-        _real_torch(torch, config, overflows), peer_rules.torch_gradscaler(overflows, **config)
+        _real_torch(torch, config, overflows), oracles.torch_gradscaler(overflows, **config)
     )
 
 
@@ -535,7 +535,7 @@ def test_jmp_transcription_divides_by_the_factor_as_real_jmp():
     for overflow in overflows:
         state = state.adjust(jnp.asarray(not overflow))
         peer.append((float(state.loss_scale), bool(overflow)))
-    assert_peer_equals_transcription(peer, peer_rules.jmp_dynamic_loss_scale(overflows, 1000.0, period=1, factor=3))
+    assert_peer_equals_transcription(peer, oracles.jmp_dynamic_loss_scale(overflows, 1000.0, period=1, factor=3))
 
 
 def test_inexact_factors_differ_by_at_most_one_rounding_per_step():
@@ -543,12 +543,12 @@ def test_inexact_factors_differ_by_at_most_one_rounding_per_step():
     change; the presets multiply by the float32 factor."""
     overflows = _sequences(3, count=1)[0]
     config = {"init_scale": 1000.0, "growth_factor": 1.1, "backoff_factor": 0.9, "growth_interval": 1}
-    peer = np.float64([s for s, _ in peer_rules.torch_gradscaler(overflows, **config)])
+    peer = np.float64([s for s, _ in oracles.torch_gradscaler(overflows, **config)])
     scales, _ = run_preset("torch", config, overflows)
     drift = np.abs(np.float64(scales) / peer - 1)
     assert np.all(drift < 2.0**-23 * np.arange(1, LENGTH + 1) * 1.001)
     jmp_config = {"loss_scale": 1000.0, "period": 1, "factor": 3}
-    peer = np.float64([s for s, _ in peer_rules.jmp_dynamic_loss_scale(overflows, **jmp_config)])
+    peer = np.float64([s for s, _ in oracles.jmp_dynamic_loss_scale(overflows, **jmp_config)])
     scales, _ = run_preset("jmp", jmp_config, overflows)
     assert np.all(np.abs(np.float64(scales) / peer - 1) < 2.0**-23 * np.arange(1, LENGTH + 1) * 1.001)
 
@@ -619,7 +619,7 @@ def test_defaults_equal_the_recorded_peer_sources(preset, translate):
 
 
 def test_apex_defaults_are_its_constructor_defaults():
-    peer = {n: p.default for n, p in inspect.signature(peer_rules.apex).parameters.items() if n != "overflows"}
+    peer = {n: p.default for n, p in inspect.signature(oracles.apex).parameters.items() if n != "overflows"}
     assert (
         preset_defaults("apex")
         == peer
