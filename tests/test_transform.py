@@ -69,65 +69,69 @@ INNERS = {
 }
 
 
-class TransformTest(chex.TestCase):
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_clean_step_equals_inner_update_on_unscaled_grads(self):
-        for name, make_inner in INNERS.items():
-            params = make_params()
-            tx = ls.dynamic(make_inner(), initial_scale=2.0**12)
-            inner = make_inner()
-            state, inner_state = tx.init(params), inner.init(params)
-            update, inner_update = self.variant(tx.update), self.variant(inner.update)
-            for _ in range(3):
-                grads = make_grads(ls.get_scale(state))
-                updates, state = update(grads, state, params)
-                expected, inner_state = inner_update(ls.unscale(grads, state), inner_state, params)
-                assert_trees_close_to_leaf_rounding(updates, expected, name)
-                assert_trees_close_to_leaf_rounding(state.inner_state, inner_state, name)
-                params = optax.apply_updates(params, updates)
-            assert int(state.good_steps) == 3 and not bool(state.skipped)
+@pytest.mark.parametrize("name", list(INNERS))
+def test_clean_step_equals_inner_update_on_unscaled_grads(name, jit):
+    make_inner = INNERS[name]
+    params = make_params()
+    tx = ls.dynamic(make_inner(), initial_scale=2.0**12)
+    inner = make_inner()
+    state, inner_state = tx.init(params), inner.init(params)
+    update, inner_update = jit(tx.update), jit(inner.update)
+    for _ in range(3):
+        grads = make_grads(ls.get_scale(state))
+        updates, state = update(grads, state, params)
+        expected, inner_state = inner_update(ls.unscale(grads, state), inner_state, params)
+        assert_trees_close_to_leaf_rounding(updates, expected, name)
+        assert_trees_close_to_leaf_rounding(state.inner_state, inner_state, name)
+        params = optax.apply_updates(params, updates)
+    assert int(state.good_steps) == 3 and not bool(state.skipped)
 
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_skipped_step_leaves_everything_untouched(self):
-        # Each optimizer meets one kind of poison in one kind of leaf.
-        poisons = [("dense", jnp.inf), ("half", -jnp.inf), ("bf", jnp.nan), ("dense", jnp.nan), ("half", jnp.nan)]
-        for poison, (name, make_inner) in zip(poisons, INNERS.items(), strict=True):
-            params = make_params()
-            tx = ls.dynamic(make_inner(), initial_scale=2.0**12, min_scale=2.0**10)
-            state = tx.init(params)
-            update = self.variant(tx.update)
-            updates, state = update(make_grads(ls.get_scale(state)), state, params)  # one clean step
-            params = optax.apply_updates(params, updates)
-            before = state
-            updates, state = update(make_grads(ls.get_scale(state), poison), state, params)
-            assert_trees_bitwise_equal(state.inner_state, before.inner_state)
-            assert_trees_bitwise_equal(updates, jax.tree.map(jnp.zeros_like, params))
-            new_params = optax.apply_updates(params, updates)
-            assert_trees_bitwise_equal(new_params, params)
-            assert bool(state.skipped), name
-            assert float(state.scale) == 2.0**11
-            assert (int(state.good_steps), int(state.skipped_steps), int(state.consecutive_skips)) == (0, 1, 1)
-            # A second overflow: floored at min_scale, counters go on.
-            _, state = update(make_grads(ls.get_scale(state), poison), state, params)
-            assert (float(state.scale), int(state.skipped_steps), int(state.consecutive_skips)) == (2.0**10, 2, 2)
-            # The next clean step applies and clears the run of skips.
-            _, state = update(make_grads(ls.get_scale(state)), state, params)
-            assert (bool(state.skipped), int(state.skipped_steps), int(state.consecutive_skips)) == (False, 2, 0)
 
-    @chex.variants(with_jit=True, without_jit=True)
-    def test_static_skips_but_never_moves_the_scale(self):
-        params = make_params()
-        tx = ls.static(optax.adam(1e-2), scale=256.0)
-        state = tx.init(params)
-        update = self.variant(tx.update)
-        for poison in [None, ("dense", jnp.inf), None, None]:
-            before = state.inner_state
-            updates, state = update(make_grads(256.0, poison), state, params)
-            assert float(state.scale) == 256.0
-            assert bool(state.skipped) == (poison is not None)
-            if poison is not None:
-                assert_trees_bitwise_equal(state.inner_state, before)
-        assert int(state.good_steps) == 2 and int(state.skipped_steps) == 1
+# Each optimizer meets one kind of poison in one kind of leaf.
+POISONS = [("dense", jnp.inf), ("half", -jnp.inf), ("bf", jnp.nan), ("dense", jnp.nan), ("half", jnp.nan)]
+
+
+POISONED = list(zip(INNERS, POISONS, strict=True))
+
+
+@pytest.mark.parametrize(("name", "poison"), POISONED, ids=[f"{n}-{p[0]}" for n, p in POISONED])
+def test_skipped_step_leaves_everything_untouched(name, poison, jit):
+    params = make_params()
+    tx = ls.dynamic(INNERS[name](), initial_scale=2.0**12, min_scale=2.0**10)
+    state = tx.init(params)
+    update = jit(tx.update)
+    updates, state = update(make_grads(ls.get_scale(state)), state, params)  # one clean step
+    params = optax.apply_updates(params, updates)
+    before = state
+    updates, state = update(make_grads(ls.get_scale(state), poison), state, params)
+    assert_trees_bitwise_equal(state.inner_state, before.inner_state)
+    assert_trees_bitwise_equal(updates, jax.tree.map(jnp.zeros_like, params))
+    new_params = optax.apply_updates(params, updates)
+    assert_trees_bitwise_equal(new_params, params)
+    assert bool(state.skipped), name
+    assert float(state.scale) == 2.0**11
+    assert (int(state.good_steps), int(state.skipped_steps), int(state.consecutive_skips)) == (0, 1, 1)
+    # A second overflow: floored at min_scale, counters go on.
+    _, state = update(make_grads(ls.get_scale(state), poison), state, params)
+    assert (float(state.scale), int(state.skipped_steps), int(state.consecutive_skips)) == (2.0**10, 2, 2)
+    # The next clean step applies and clears the run of skips.
+    _, state = update(make_grads(ls.get_scale(state)), state, params)
+    assert (bool(state.skipped), int(state.skipped_steps), int(state.consecutive_skips)) == (False, 2, 0)
+
+
+def test_static_skips_but_never_moves_the_scale(jit):
+    params = make_params()
+    tx = ls.static(optax.adam(1e-2), scale=256.0)
+    state = tx.init(params)
+    update = jit(tx.update)
+    for poison in [None, ("dense", jnp.inf), None, None]:
+        before = state.inner_state
+        updates, state = update(make_grads(256.0, poison), state, params)
+        assert float(state.scale) == 256.0
+        assert bool(state.skipped) == (poison is not None)
+        if poison is not None:
+            assert_trees_bitwise_equal(state.inner_state, before)
+    assert int(state.good_steps) == 2 and int(state.skipped_steps) == 1
 
 
 def test_no_op_applies_every_step_and_optionally_skips():
@@ -369,41 +373,41 @@ def test_vmap_gives_each_model_its_own_decision():
     assert bool(jnp.all(jnp.isfinite(updates))) and bool(jnp.all(updates[1:] == 0))
 
 
-class MultiStepsTest(chex.TestCase):
-    def test_loss_scale_outside_multisteps_drops_only_the_bad_micro_batch(self):
-        params = jnp.zeros(2)
-        tx = ls.dynamic(optax.MultiSteps(optax.sgd(1.0), every_k_schedule=3), initial_scale=4.0)
-        state = tx.init(params)
-        update = jax.jit(tx.update)
-        micro = [jnp.array([1.0, 2.0]), jnp.array([jnp.inf, 0.0]), jnp.array([3.0, 4.0]), jnp.array([5.0, 6.0])]
-        for g in micro:
-            updates, state = update(g * ls.get_scale(state), state, params)
-            params = optax.apply_updates(params, updates)
-        # The window is the three finite micro-batches; the overflowing one
-        # was dropped and did not count.
-        np.testing.assert_allclose(params, -(micro[0] + micro[2] + micro[3]) / 3)
-        assert int(state.skipped_steps) == 1 and float(state.scale) == 2.0
+def test_loss_scale_outside_multisteps_drops_only_the_bad_micro_batch():
+    params = jnp.zeros(2)
+    tx = ls.dynamic(optax.MultiSteps(optax.sgd(1.0), every_k_schedule=3), initial_scale=4.0)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    micro = [jnp.array([1.0, 2.0]), jnp.array([jnp.inf, 0.0]), jnp.array([3.0, 4.0]), jnp.array([5.0, 6.0])]
+    for g in micro:
+        updates, state = update(g * ls.get_scale(state), state, params)
+        params = optax.apply_updates(params, updates)
+    # The window is the three finite micro-batches; the overflowing one
+    # was dropped and did not count.
+    np.testing.assert_allclose(params, -(micro[0] + micro[2] + micro[3]) / 3)
+    assert int(state.skipped_steps) == 1 and float(state.scale) == 2.0
 
-    def test_loss_scale_inside_multisteps_skips_the_whole_window(self):
-        params = jnp.zeros(2)
-        tx = optax.MultiSteps(ls.dynamic(optax.sgd(1.0), initial_scale=4.0), every_k_schedule=2)
-        state = tx.init(params)
-        update = jax.jit(tx.update)
-        for g in [jnp.array([1.0, 2.0]), jnp.array([jnp.inf, 0.0])]:
-            updates, state = update(g * ls.get_scale(state), state, params)
-            params = optax.apply_updates(params, updates)
-        np.testing.assert_array_equal(params, [0.0, 0.0])
-        assert float(ls.get_scale(state)) == 2.0 and bool(ls.find_state(state).skipped)
-        # optax.MultiSteps resets its accumulator as (1 - emit) * acc, and
-        # 0 * inf is nan: the accumulator stays poisoned and every later
-        # window is skipped too. This is why the README recommends
-        # ls.dynamic(optax.MultiSteps(...)), where overflows never reach it.
-        assert not bool(ls.all_finite(state.acc_grads))
-        for g in [jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])]:
-            updates, state = update(g * ls.get_scale(state), state, params)
-            params = optax.apply_updates(params, updates)
-        np.testing.assert_array_equal(params, [0.0, 0.0])
-        assert bool(ls.find_state(state).skipped) and bool(jnp.all(jnp.isfinite(params)))
+
+def test_loss_scale_inside_multisteps_skips_the_whole_window():
+    params = jnp.zeros(2)
+    tx = optax.MultiSteps(ls.dynamic(optax.sgd(1.0), initial_scale=4.0), every_k_schedule=2)
+    state = tx.init(params)
+    update = jax.jit(tx.update)
+    for g in [jnp.array([1.0, 2.0]), jnp.array([jnp.inf, 0.0])]:
+        updates, state = update(g * ls.get_scale(state), state, params)
+        params = optax.apply_updates(params, updates)
+    np.testing.assert_array_equal(params, [0.0, 0.0])
+    assert float(ls.get_scale(state)) == 2.0 and bool(ls.find_state(state).skipped)
+    # optax.MultiSteps resets its accumulator as (1 - emit) * acc, and
+    # 0 * inf is nan: the accumulator stays poisoned and every later
+    # window is skipped too. This is why the README recommends
+    # ls.dynamic(optax.MultiSteps(...)), where overflows never reach it.
+    assert not bool(ls.all_finite(state.acc_grads))
+    for g in [jnp.array([1.0, 2.0]), jnp.array([3.0, 4.0])]:
+        updates, state = update(g * ls.get_scale(state), state, params)
+        params = optax.apply_updates(params, updates)
+    np.testing.assert_array_equal(params, [0.0, 0.0])
+    assert bool(ls.find_state(state).skipped) and bool(jnp.all(jnp.isfinite(params)))
 
 
 @pytest.mark.parametrize("poison", [1.0, jnp.inf])
