@@ -116,7 +116,7 @@ def test_next_token_model_and_batches():
     model = nnx_lm.NextToken(50, 3, dtype=jnp.float16, rngs=nnx.Rngs(0))
     logits = model(context)
     assert logits.shape == (8, 50) and logits.dtype == jnp.float16
-    assert model.head.kernel.value.dtype == jnp.float32
+    assert model.head.kernel[...].dtype == jnp.float32
 
 
 def options_help(text: str) -> dict[str, str]:

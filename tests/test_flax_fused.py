@@ -71,17 +71,25 @@ def test_linen_train_state_is_flax_train_state_fused(inner):
         logits = model.apply({"params": params}, x)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    @jax.jit
-    def step(state, x, y):
-        _, grads = ls.value_and_grad(loss_fn)(state.opt_state, state.params, x, y)
-        return state.apply_gradients(grads=grads)
+    def make_step():
+        def step(state, x, y):
+            _, grads = ls.value_and_grad(loss_fn)(state.opt_state, state.params, x, y)
+            return state.apply_gradients(grads=grads)
 
+        return jax.jit(step)
+
+    # One jitted function per class: jaxlib's treedef equality ignores which
+    # dataclass a node is (the two states' treedefs compare equal, their
+    # hashes differ), so one jit cache fed both could hand back the other
+    # class's trace on a hash collision.
+    step_ours, step_theirs = make_step(), make_step()
     poisoned = {4, 5, 9}
     for i, (x, y) in enumerate(batches(12, poisoned)):
         # Both from the same state (ours), so that one step is compared at a time.
         before = ours.params
-        theirs = step(theirs.replace(params=ours.params, opt_state=ours.opt_state, step=ours.step), x, y)
-        ours = step(ours, x, y)
+        theirs = step_theirs(theirs.replace(params=ours.params, opt_state=ours.opt_state, step=ours.step), x, y)
+        ours = step_ours(ours, x, y)
+        assert type(ours) is lsf.TrainState and type(theirs) is train_state.TrainState
         assert_bitwise((ours.opt_state, ours.step), (theirs.opt_state, theirs.step))
         if i in poisoned:
             assert_bitwise(ours.params, before)

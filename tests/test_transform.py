@@ -69,6 +69,7 @@ INNERS = {
 }
 
 
+@pytest.mark.filterwarnings("ignore::loss_scale.Float16StateWarning")  # float16 state on purpose
 @pytest.mark.parametrize("name", list(INNERS))
 def test_clean_step_equals_inner_update_on_unscaled_grads(name, jit):
     make_inner = INNERS[name]
@@ -94,6 +95,7 @@ POISONS = [("dense", jnp.inf), ("half", -jnp.inf), ("bf", jnp.nan), ("dense", jn
 POISONED = list(zip(INNERS, POISONS, strict=True))
 
 
+@pytest.mark.filterwarnings("ignore::loss_scale.Float16StateWarning")  # float16 state on purpose
 @pytest.mark.parametrize(("name", "poison"), POISONED, ids=[f"{n}-{p[0]}" for n, p in POISONED])
 def test_skipped_step_leaves_everything_untouched(name, poison, jit):
     params = make_params()
@@ -410,6 +412,7 @@ def test_loss_scale_inside_multisteps_skips_the_whole_window():
     assert bool(ls.find_state(state).skipped) and bool(jnp.all(jnp.isfinite(params)))
 
 
+@pytest.mark.filterwarnings("ignore::loss_scale.Float16StateWarning")  # float16 state on purpose
 @pytest.mark.parametrize("poison", [1.0, jnp.inf])
 def test_apply_gradients_equals_update_then_apply(poison):
     params = make_params()
