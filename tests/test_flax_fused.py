@@ -128,10 +128,11 @@ def test_nnx_optimizer_is_nnx_optimizer_fused(inner):
     make_tx = lambda: ls.dynamic(INNERS[inner](), initial_scale=2.0**12, growth_interval=3)  # noqa: E731
     model = NNXModel(nnx.Rngs(0))
     optimizer = lsf.Optimizer(model, make_tx(), wrt=nnx.Param)
+    their_model = nnx.clone(model)
+    theirs = nnx.Optimizer(their_model, make_tx(), wrt=nnx.Param)
     for i, (x, y) in enumerate(batches(12, poisoned)):
         # nnx.Optimizer from the same model and state, one step at a time.
-        their_model = nnx.clone(model)
-        theirs = nnx.Optimizer(their_model, make_tx(), wrt=nnx.Param)
+        nnx.update(their_model, nnx.state(model))
         nnx.update(theirs, nnx.state(optimizer))
         before = nnx.as_pure(nnx.state(model, nnx.Param))
         step(model, optimizer, x, y)
