@@ -28,9 +28,9 @@ def _magnitude(x: jax.Array) -> jax.Array:
     return jnp.abs(x)
 
 
-def peak_and_finite(x: jax.Array, axes: tuple[int, ...] | None = None) -> tuple[jax.Array, jax.Array]:
-    """``(max|x|, all(isfinite(x)))`` over ``axes`` (all of them by default)
-    of a floating array, in one pass.
+def peak_and_finite(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """``(max|x|, all(isfinite(x)))`` over ``axes`` of a floating array, in
+    one pass.
 
     One variadic reduction reads each element once and yields both. The
     finite flag comes from ``isfinite`` and a logical and, whose results IEEE
@@ -46,7 +46,6 @@ def peak_and_finite(x: jax.Array, axes: tuple[int, ...] | None = None) -> tuple[
     """
     magnitude = _magnitude(x)
     zero = jnp.zeros((), magnitude.dtype)
-    axes = tuple(range(x.ndim)) if axes is None else axes
     peak, finite = jax.lax.reduce((magnitude, jnp.isfinite(x)), (zero, jnp.array(True)), _max_and_all, axes)
     return peak, finite
 

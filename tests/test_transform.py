@@ -11,6 +11,11 @@ import pytest
 
 import loss_scale as ls
 
+# The params below have a float16 leaf on purpose (mixed-dtype trees are what
+# the transformation must handle), so Adam-like optimizers here keep float16
+# state; the tests of the warning itself record it with pytest.warns/recwarn.
+pytestmark = pytest.mark.filterwarnings("ignore::loss_scale.Float16StateWarning")
+
 
 def make_params():
     return {
@@ -69,7 +74,6 @@ INNERS = {
 }
 
 
-@pytest.mark.filterwarnings("ignore::loss_scale.Float16StateWarning")  # float16 state on purpose
 @pytest.mark.parametrize("name", list(INNERS))
 def test_clean_step_equals_inner_update_on_unscaled_grads(name, jit):
     make_inner = INNERS[name]
@@ -95,7 +99,6 @@ POISONS = [("dense", jnp.inf), ("half", -jnp.inf), ("bf", jnp.nan), ("dense", jn
 POISONED = list(zip(INNERS, POISONS, strict=True))
 
 
-@pytest.mark.filterwarnings("ignore::loss_scale.Float16StateWarning")  # float16 state on purpose
 @pytest.mark.parametrize(("name", "poison"), POISONED, ids=[f"{n}-{p[0]}" for n, p in POISONED])
 def test_skipped_step_leaves_everything_untouched(name, poison, jit):
     params = make_params()
@@ -188,7 +191,6 @@ PROMOTING = {
 _XLA_FUSES_THE_SAME = tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 10)
 
 
-@pytest.mark.filterwarnings("ignore::loss_scale.Float16StateWarning")
 @pytest.mark.parametrize("name", list(PROMOTING))
 def test_inner_update_that_widens_its_state_works_as_in_plain_optax(name):
     make_inner, param_dtype, grad_dtype = PROMOTING[name]
@@ -412,7 +414,6 @@ def test_loss_scale_inside_multisteps_skips_the_whole_window():
     assert bool(ls.find_state(state).skipped) and bool(jnp.all(jnp.isfinite(params)))
 
 
-@pytest.mark.filterwarnings("ignore::loss_scale.Float16StateWarning")  # float16 state on purpose
 @pytest.mark.parametrize("poison", [1.0, jnp.inf])
 def test_apply_gradients_equals_update_then_apply(poison):
     params = make_params()

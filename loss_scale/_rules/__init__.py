@@ -27,6 +27,8 @@ from __future__ import annotations
 from typing import Any, NamedTuple, Protocol
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 
 class RuleState(NamedTuple):
@@ -42,6 +44,21 @@ class RuleState(NamedTuple):
     scale: jax.Array
     good_steps: jax.Array
     counters: Any
+
+    @classmethod
+    def start(cls, initial_scale: float, counters: Any) -> RuleState:
+        """Step 0: ``initial_scale`` in float32, no clean steps counted yet."""
+        return cls(jnp.asarray(initial_scale, jnp.float32), jnp.zeros((), jnp.int32), counters)
+
+
+class FloorAtMinScale:
+    """For a rule whose scale never goes below its ``min_scale`` setting."""
+
+    min_scale: float
+
+    @property
+    def floor(self) -> float:
+        return float(np.float32(self.min_scale))
 
 
 class Rule(Protocol):

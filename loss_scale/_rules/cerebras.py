@@ -8,9 +8,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from loss_scale._rules import RuleState
+from loss_scale._rules import FloorAtMinScale, RuleState
 
 
 class CerebrasCounters(NamedTuple):
@@ -25,7 +24,7 @@ class CerebrasCounters(NamedTuple):
 
 
 @dataclasses.dataclass(frozen=True)
-class CerebrasRule:
+class CerebrasRule(FloorAtMinScale):
     """Cerebras ``GradScaler(loss_scale="dynamic")``: overflow tolerance.
 
     The rule of ``cerebras.pytorch.amp.GradScaler.update_scale``
@@ -60,15 +59,10 @@ class CerebrasRule:
     max_scale: float = 2.0**15
     overflow_tolerance: float = 0.0
 
-    @property
-    def floor(self) -> float:
-        return float(np.float32(self.min_scale))
-
     def init(self) -> RuleState:
-        return RuleState(
-            scale=jnp.asarray(self.initial_scale, jnp.float32),
-            good_steps=jnp.zeros((), jnp.int32),
-            counters=CerebrasCounters(overflows=jnp.zeros((), jnp.int32)),
+        return RuleState.start(
+            self.initial_scale,
+            CerebrasCounters(overflows=jnp.zeros((), jnp.int32)),
         )
 
     def adjust(self, state: RuleState, finite: jax.Array, grad_max: jax.Array) -> RuleState:

@@ -80,10 +80,9 @@ class DynamicRule:
         return float(np.float32(self.min_scale))
 
     def init(self) -> RuleState:
-        return RuleState(
-            scale=jnp.asarray(self.initial_scale, jnp.float32),
-            good_steps=jnp.zeros((), jnp.int32),
-            counters=DynamicCounters(
+        return RuleState.start(
+            self.initial_scale,
+            DynamicCounters(
                 overflows_left=jnp.asarray(self.hysteresis, jnp.int32),
                 first_growth_pending=jnp.ones((), jnp.bool_),
             ),

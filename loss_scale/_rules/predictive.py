@@ -9,12 +9,11 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from loss_scale import _validate as validate
 from loss_scale._options import Options, Unpack, settings_from, takes_options
-from loss_scale._rules import RuleState, select
+from loss_scale._rules import FloorAtMinScale, RuleState, select
 from loss_scale._transform import LossScaleTransformation, loss_scaled
 
 
@@ -50,7 +49,7 @@ def _pow2(exponent: jax.Array) -> jax.Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class PredictiveRule:
+class PredictiveRule(FloorAtMinScale):
     """Predictive loss scaling: aim the scale at the recent gradient peak.
 
     The rule reads ``grad_max``, the largest unscaled gradient magnitude of
@@ -107,15 +106,10 @@ class PredictiveRule:
     max_scale: float = 2.0**24
     overflow_threshold: float = 65504.0
 
-    @property
-    def floor(self) -> float:
-        return float(np.float32(self.min_scale))
-
     def init(self) -> RuleState:
-        return RuleState(
-            scale=jnp.asarray(self.initial_scale, jnp.float32),
-            good_steps=jnp.zeros((), jnp.int32),
-            counters=PredictiveCounters(
+        return RuleState.start(
+            self.initial_scale,
+            PredictiveCounters(
                 headroom=jnp.asarray(self.initial_headroom, jnp.int32),
                 grad_peak=jnp.zeros((), jnp.float32),
                 searching=jnp.ones((), jnp.bool_),
