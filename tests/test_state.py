@@ -297,3 +297,60 @@ def test_scale_stays_within_bounds(config, overflows, bounds):
     run = _rule_run(growth, backoff, interval, 1, False, lo, hi)
     scales = run(np.float32(lo), overflows)
     assert np.all((scales >= lo) & (scales <= hi) & np.isfinite(scales))
+
+
+# --- the state keeps its layout from step to step ------------------------------
+
+LAYOUT_CASES = {
+    "dynamic": lambda inner: ls.dynamic(inner),
+    "dynamic+stats": lambda inner: ls.dynamic(inner, track_underflow=True, track_grad_norm=True, locate_overflows=True),
+    "static": lambda inner: ls.static(inner, 8.0),
+    "no_op": lambda inner: ls.no_op(inner),
+    "predictive": lambda inner: ls.predictive(inner),
+    **{f"presets.{name}": getattr(ls.presets, name) for name in ls.presets.__all__},
+}
+
+
+COUNTER_DTYPES = {
+    "overflows_left": jnp.int32,
+    "first_growth_pending": jnp.bool_,
+    "headroom": jnp.int32,
+    "grad_peak": jnp.float32,
+    "searching": jnp.bool_,
+    "overflow_run": jnp.int32,
+    "overflows": jnp.int32,
+}
+
+
+@pytest.mark.parametrize("name", LAYOUT_CASES)
+def test_every_rule_keeps_its_state_layout_so_scan_and_donation_work(name):
+    """``init``'s state has the shapes and dtypes of every later state (a
+    float32 counter at step 0 would break ``lax.scan`` carries and donation),
+    and a scan over clean and overflowing steps runs."""
+    params = {"w": jnp.ones((3, 2)), "h": jnp.ones(4, jnp.bfloat16)}
+    tx = LAYOUT_CASES[name](optax.sgd(0.1))
+    state = tx.init(params)
+    layout = jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), state)
+    # Counts are int32 and flags bool from step 0 (a select would otherwise
+    # carry a float32 start through every later step).
+    counters = state.counters._asdict()
+    assert counters and {k: jnp.result_type(v) for k, v in counters.items()} == {k: COUNTER_DTYPES[k] for k in counters}
+    assert {k: jnp.result_type(getattr(state, k)) for k in ("scale", "good_steps", "skipped_steps", "skipped")} == {
+        "scale": jnp.float32,
+        "good_steps": jnp.int32,
+        "skipped_steps": jnp.int32,
+        "skipped": jnp.bool_,
+    }
+    grads = jax.tree.map(jnp.ones_like, params)
+    for poison in (1.0, jnp.inf):
+        poisoned = jax.tree.map(lambda g, c=poison: g * c, grads)
+        _, after = jax.jit(tx.update)(poisoned, state, params)
+        assert jax.tree.map(lambda x: (jnp.shape(x), jnp.result_type(x)), after) == layout, poison
+
+    def step(carry, poison):
+        p, s = carry
+        updates, s = tx.update(jax.tree.map(lambda g: g * poison, grads), s, p)
+        return (optax.apply_updates(p, updates), s), ls.get_scale(s)
+
+    _, scales = jax.lax.scan(step, (params, state), jnp.array([1.0, jnp.inf, 1.0]))
+    assert scales.shape == (3,)
