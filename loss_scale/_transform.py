@@ -97,16 +97,17 @@ def _skipped_inner_state(before: PyTree, after: PyTree) -> PyTree:
         )
     kept = []
     for (path, old), new in zip(paths_before, leaves_after, strict=True):
-        old_dtype, old_shape = getattr(old, "dtype", None), getattr(old, "shape", None)
-        exact = old_dtype is not None and np.can_cast(old_dtype, new.dtype, casting="safe")
-        if old_shape != new.shape or not exact:
+        # A Python number in the state (a custom optimizer's count, say) is
+        # an array of its JAX type once traced, as in plain optax under jit.
+        old = jnp.asarray(old)
+        if old.shape != new.shape or not np.can_cast(old.dtype, new.dtype, casting="safe"):
             raise TypeError(
                 f"the inner optimizer's update changes state leaf {jax.tree_util.keystr(path)} from "
-                f"{old_dtype or type(old)}{old_shape or ''} to {new.dtype}{new.shape}; a skipped step could "
+                f"{old.dtype}{old.shape} to {new.dtype}{new.shape}; a skipped step could "
                 "not return it unchanged in the new type. Initialise it with the dtype it will keep (for "
                 "example, pass params of that dtype to init)"
             )
-        kept.append(match_varying(jnp.asarray(old).astype(new.dtype), new))
+        kept.append(match_varying(old.astype(new.dtype), new))
     return jax.tree.unflatten(treedef_after, kept)
 
 

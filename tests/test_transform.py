@@ -220,6 +220,26 @@ def test_inner_update_that_widens_its_state_works_as_in_plain_optax(name):
             assert_trees_bitwise_equal(state.inner_state, inner_state)
 
 
+@pytest.mark.parametrize("poison", [1.0, jnp.nan])
+def test_python_numbers_in_the_inner_state_work_as_in_plain_optax(poison, jit):
+    """A custom optimizer may keep Python numbers in its state; plain optax
+    accepts them, and so does the skip branch (they become arrays of their
+    JAX type, as under jit)."""
+
+    def init(params):
+        return {"count": 0, "lr": 0.5}
+
+    def update(updates, state, params=None):
+        return jax.tree.map(lambda g: -state["lr"] * g, updates), {"count": state["count"] + 1, "lr": state["lr"]}
+
+    params = {"w": jnp.ones(3)}
+    tx = ls.dynamic(optax.GradientTransformation(init, update), initial_scale=1.0)
+    updates, state = jit(tx.update)({"w": jnp.full(3, poison)}, tx.init(params), params)
+    assert int(state.inner_state["count"]) == (1 if poison == 1.0 else 0)
+    assert float(state.inner_state["lr"]) == 0.5 and bool(state.skipped) == (poison != 1.0)
+    np.testing.assert_array_equal(updates["w"], [-0.5] * 3 if poison == 1.0 else [0.0] * 3)
+
+
 def test_inner_update_that_narrows_its_state_is_named():
     # A skipped step could not return a narrowed state unchanged: refused.
     def init(params):
