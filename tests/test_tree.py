@@ -102,6 +102,11 @@ def test_float64_leaves_with_x64():
         assert out.dtype == jnp.float64
         np.testing.assert_array_equal(out, [2.5e299, 0.75])
         assert not bool(leaf_finite_flags([x], jnp.float32(2.0**-100))[0])
+        # The reciprocal of a scale that is not a power of two is taken in
+        # float64 for float64 leaves (a float32 1/3 is off in the 8th digit).
+        y = jnp.array([0.1, 7.0, 1e-200], jnp.float64)
+        got = np.asarray(unscale_tree([y], jnp.float32(3.0))[0])
+        np.testing.assert_array_equal(got, np.asarray(y) * (1 / np.float64(3.0)))
 
 
 def test_leaf_flags_keep_leaf_order_across_dtypes_and_integer_leaves():
