@@ -125,3 +125,10 @@ def test_leaf_flags_keep_leaf_order_across_dtypes_and_integer_leaves():
     clean = [tree[0], tree[1], jnp.array([1.0, 3.0], jnp.float16), tree[3], jnp.array([9.0], jnp.bfloat16)]
     stats = gradient_stats(clean, jnp.float32(2.0))
     assert list(stats.leaf_finite) == [True] * 5 and float(stats.grad_max) == 4.5
+
+
+def test_complex_leaves_unscale_both_parts_in_their_own_dtype():
+    x = jnp.array([3 + 4j, -1e30 + 2e-30j, 0.5j], jnp.complex64)
+    got = np.asarray(unscale_tree([x], jnp.float32(4.0))[0])
+    assert got.dtype == np.complex64
+    np.testing.assert_array_equal(got, np.asarray(x) / np.complex64(4.0))
