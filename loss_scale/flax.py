@@ -269,10 +269,14 @@ class Optimizer(nnx.Optimizer):
     """
 
     def update(self, model: Any, grads: Any, /, **kwargs: Any) -> None:  # type: ignore[override]
-        params = nnx.as_pure(nnx.state(model, self.wrt, graph=self.graph))
-        grads = nnx.as_pure(nnx.state(grads, self.wrt, graph=self.graph))
+        # flax 0.12.7 (the oldest supported) has no graph mode; later versions
+        # store the optimizer's choice in ``self.graph`` and need it passed on.
+        graph = getattr(self, "graph", None)
+        mode = {} if graph is None else {"graph": graph}
+        params = nnx.as_pure(nnx.state(model, self.wrt, **mode))
+        grads = nnx.as_pure(nnx.state(grads, self.wrt, **mode))
         opt_state = nnx.as_pure(self.opt_state)
         new_params, new_opt_state = _apply_gradients(self.tx, grads, opt_state, params, **nnx.as_pure(kwargs))
         nnx.update(model, new_params)
-        nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
+        nnx.update(self.opt_state, nnx.state(new_opt_state, **mode))
         self.step[...] += 1
