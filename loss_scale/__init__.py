@@ -16,6 +16,7 @@ from loss_scale._grad import find_state, get_scale, scale_loss, unscale, value_a
 from loss_scale._metrics import metrics, overflow_paths
 from loss_scale._migrate import wrap_opt_state
 from loss_scale._precision import Policy, for_dtype
+from loss_scale._range_report import RangeReport, RangeRow, range_report
 from loss_scale._rules.dynamic import dynamic
 from loss_scale._rules.predictive import predictive
 from loss_scale._rules.static import no_op, static
@@ -29,6 +30,8 @@ __all__ = [
     "LossScaleState",
     "LossScaleTransformation",
     "Policy",
+    "RangeReport",
+    "RangeRow",
     "SkippedStepsError",
     "all_finite",
     "apply_gradients",
@@ -41,6 +44,7 @@ __all__ = [
     "overflow_paths",
     "predictive",
     "presets",
+    "range_report",
     "scale_loss",
     "static",
     "unscale",

@@ -87,6 +87,9 @@ def actual(name):
         if parameter.kind is inspect.Parameter.VAR_KEYWORD:
             names.append("**" + parameter.name)
             continue
+        if parameter.kind is inspect.Parameter.VAR_POSITIONAL:
+            names.append("*" + parameter.name)
+            continue
         names.append(parameter.name)
         if parameter.default is not inspect.Parameter.empty:
             defaults[parameter.name] = parameter.default

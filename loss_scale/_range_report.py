@@ -1,0 +1,462 @@
+"""``range_report``: every floating intermediate of a loss function, forward
+and backward, at a given loss scale.
+
+How the backward values are seen: the loss function's jaxpr is evaluated
+equation by equation, and each floating value an equation produces gets a
+zero "probe" added to it (``v + p``, with ``p`` all zeros of ``v``'s shape
+and dtype). The forward pass is unchanged, and the gradient with respect to
+``p`` is exactly the cotangent that reaches ``v`` in the backward pass, in
+``v``'s dtype: one ``jax.grad`` gives every intermediate's cotangent at once.
+Calls of jitted functions and ``jax.checkpoint`` are evaluated inside (their
+equations get rows); ``custom_jvp``/``custom_vjp`` functions and control
+flow (``scan``, ``while_loop``, ``cond``) are single rows, whose outputs are
+probed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+
+from loss_scale._check import peak_and_finite
+from loss_scale._types import PyTree
+from loss_scale._unscale import compute_dtype as _at_least_float32
+from loss_scale._validate import floating_dtype
+
+# Equations whose inner jaxpr is evaluated in place (their equations get rows).
+_INLINED = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
+_REMAT = {"checkpoint", "remat", "remat2"}
+# Equations kept whole: their outputs get one row each.
+_WHOLE = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "scan", "while", "cond")
+
+
+class RangeRow(NamedTuple):
+    """One floating value of the forward pass and its cotangent.
+
+    Attributes:
+      index: position in forward (evaluation) order; arguments first.
+      where: the name stack (``jax.named_scope``, jitted function and flax
+        module names where recorded) and the user's file:line.
+      primitive: the JAX primitive that produced the value (``argument`` for
+        a differentiated input; for a ``custom_jvp``/``custom_vjp`` call or
+        control flow, that whole call).
+      shape, dtype: the value's.
+      forward_max: ``max |x|`` (inf when not finite).
+      backward_max: ``max |cotangent|`` at the report's scale, in the value's
+        dtype (inf when not finite).
+      backward_zero: fraction of cotangent elements exactly 0.
+      backward_below_normal: fraction below the dtype's smallest normal
+        (zeros included).
+      overflows: whether the cotangent has a non-finite element.
+      headroom: how many times larger the cotangent could be before it
+        overflows, measured at ``max_safe_scale`` (``inf`` for a zero
+        cotangent; ``nan`` when no scale is safe).
+    """
+
+    index: int
+    where: str
+    primitive: str
+    shape: tuple[int, ...]
+    dtype: str
+    forward_max: float
+    backward_max: float
+    backward_zero: float
+    backward_below_normal: float
+    overflows: bool
+    headroom: float
+
+
+class RangeReport(NamedTuple):
+    """What ``range_report`` returns; ``str(report)`` is a table, widest
+    offenders (least headroom) first.
+
+    Attributes:
+      rows: one ``RangeRow`` per floating value, in forward order.
+      scale: the loss scale of the report's backward pass.
+      max_safe_scale: the largest power of two at which no backward value
+        overflows (``None`` when none up to ``2**-64`` is safe, e.g. when the
+        forward pass is not finite).
+      notes: what was evaluated inside and what was kept whole.
+    """
+
+    rows: list[RangeRow]
+    scale: float
+    max_safe_scale: float | None
+    notes: str
+
+    @property
+    def overflowing(self) -> list[RangeRow]:
+        """The rows whose cotangent overflows at ``scale``, the one that
+        overflows first as the scale grows (least headroom) first; among
+        rows with the same headroom, the one the backward pass reaches
+        first (latest in forward order) first."""
+        rows = [r for r in self.rows if r.overflows]
+        return sorted(rows, key=_offender_order)
+
+    def __str__(self) -> str:
+        return format_report(self)
+
+
+def _offender_order(row: RangeRow) -> tuple[float, int]:
+    headroom = row.headroom if not math.isnan(row.headroom) else -1.0
+    return (headroom, -row.index)
+
+
+class _Site(NamedTuple):
+    where: str
+    primitive: str
+    shape: tuple[int, ...]
+    dtype: jnp.dtype
+
+
+def _probe_dtype(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _describe(eqn: Any, prefix: str) -> str:
+    """The name stack (``jax.named_scope``, jitted functions, flax modules)
+    and the user's ``file:line (function)``."""
+    name = "/".join(p for p in (prefix, str(eqn.source_info.name_stack)) if p)
+    try:
+        from jax._src import source_info_util
+
+        frame = source_info_util.user_frame(eqn.source_info.traceback)
+        line = f"{os.path.basename(frame.file_name)}:{frame.start_line} ({frame.function_name})" if frame else ""
+    except Exception:  # a private helper moved: the name alone
+        line = ""
+    return " ".join(p for p in (name, line) if p)
+
+
+def _bind(eqn: Any, invals: list) -> Any:
+    """``eqn``'s primitive applied to ``invals``, as ``jax.core.eval_jaxpr``
+    does (before jax 0.9 ``get_bind_params`` also returned sub-functions)."""
+    params = eqn.primitive.get_bind_params(eqn.params)
+    subfuns = []
+    if isinstance(params, tuple):
+        subfuns, params = params
+    with eqn.ctx.manager:
+        return eqn.primitive.bind(*subfuns, *invals, **params)
+
+
+class _Evaluator:
+    """Evaluates a jaxpr equation by equation, adding the next probe to each
+    floating output; with ``probes=None`` records the sites instead."""
+
+    def __init__(self, probes: list | None):
+        self.probes = probes
+        self.sites: list[_Site] = []
+        self.values: list[jax.Array] = []
+        self.inlined: set[str] = set()
+        self.whole: set[str] = set()
+
+    def probe(self, x: Any, where: str, primitive: str) -> Any:
+        if not _probe_dtype(x):
+            return x
+        index = len(self.sites)
+        self.sites.append(_Site(where, primitive, tuple(x.shape), x.dtype))
+        if self.probes is not None:
+            x = x + self.probes[index]
+        self.values.append(x)
+        return x
+
+    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], prefix: str = "") -> list[Any]:
+        env: dict[Any, Any] = {}
+
+        def read(v):
+            return v.val if isinstance(v, jax.extend.core.Literal) else env[v]
+
+        for v, x in zip(jaxpr.constvars, consts, strict=True):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, args, strict=True):
+            env[v] = x
+        for eqn in jaxpr.eqns:
+            invals = [read(v) for v in eqn.invars]
+            name = eqn.primitive.name
+            if name in _INLINED and _INLINED[name] in eqn.params:
+                inner = eqn.params[_INLINED[name]]
+                label = eqn.params.get("name", name)
+                self.inlined.add(f"{name}")
+                scope = "/".join(p for p in (prefix, str(eqn.source_info.name_stack), f"{name}({label})") if p)
+                outs = self.run(inner.jaxpr, inner.consts, invals, scope)
+            elif name in _REMAT and "jaxpr" in eqn.params:
+                self.inlined.add(name)
+                scope = "/".join(p for p in (prefix, str(eqn.source_info.name_stack), name) if p)
+                outs = self.run(eqn.params["jaxpr"], (), invals, scope)
+            else:
+                if name.startswith(_WHOLE):
+                    self.whole.add(name)
+                outs = _bind(eqn, invals)
+                if not eqn.primitive.multiple_results:
+                    outs = [outs]
+                where = _describe(eqn, prefix)
+                outs = [self.probe(x, where, name) for x in outs]
+            for v, x in zip(eqn.outvars, outs, strict=True):
+                if type(v).__name__ != "DropVar":  # an output nobody reads
+                    env[v] = x
+        return [read(v) for v in jaxpr.outvars]
+
+
+def _split(tree: PyTree) -> tuple[list, list[int], Any]:
+    """The tree's leaves, the positions of its array leaves, its treedef
+    (Equinox and NNX modules keep functions and other non-arrays as leaves)."""
+    leaves, treedef = jax.tree.flatten(tree)
+    positions = [i for i, x in enumerate(leaves) if isinstance(x, jax.Array | np.ndarray | np.generic)]
+    return leaves, positions, treedef
+
+
+def _cast(tree: PyTree, dtype: jnp.dtype | None) -> PyTree:
+    if dtype is None:
+        return tree
+
+    def leaf(x):
+        if isinstance(x, jax.Array | np.ndarray) and jnp.issubdtype(x.dtype, jnp.floating):
+            return jnp.asarray(x).astype(dtype)
+        return x
+
+    return jax.tree.map(leaf, tree)
+
+
+def range_report(
+    fun: Callable[..., Any],
+    *args: Any,
+    scale: float = 2.0**15,
+    compute_dtype: Any = None,
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> RangeReport:
+    """Runs ``fun(*args)`` forward and backward once at loss scale ``scale``
+    and reports the range of every floating intermediate.
+
+    Each row is a value some operation produced (see ``RangeRow``): where it
+    comes from, its forward ``max |x|``, the ``max |cotangent|`` that reaches
+    it in the backward pass of ``fun(*args) * scale``, the fractions of that
+    cotangent that are 0 and below the dtype's smallest normal, and whether
+    it overflows. ``max_safe_scale`` is the largest power of two at which no
+    backward value overflows, found by running the backward pass at powers
+    of two around the estimate the report's own maxima give.
+
+    Jitted functions and ``jax.checkpoint`` are looked into;
+    ``custom_jvp``/``custom_vjp`` functions and ``scan``, ``while_loop`` and
+    ``cond`` are single rows (``report.notes`` says which were met).
+
+    Args:
+      fun: the loss function; returns a floating scalar (or ``(loss, aux)``
+        with ``has_aux``).
+      *args: its arguments. Non-array leaves (the functions of an Equinox
+        module, say) are held fixed.
+      scale: the loss scale of the reported backward pass.
+      compute_dtype: when given (e.g. ``"float16"``), the floating array
+        leaves of ``args`` are cast to it first, to see the pass as it would
+        run in that dtype.
+      argnums: the arguments whose gradients get rows of their own
+        (primitive ``argument``), as in ``jax.grad``.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+    Returns:
+      A ``RangeReport``.
+
+    Examples:
+      >>> import jax.numpy as jnp, loss_scale as ls
+      >>> def loss_fn(w, x):
+      ...     h = jnp.tanh(x @ w)
+      ...     return jnp.mean(h * 1000.0)
+      >>> w, x = jnp.full((4, 4), 0.1, jnp.float16), jnp.ones((8, 4), jnp.float16)
+      >>> report = ls.range_report(loss_fn, w, x, scale=2.0**15)
+      >>> report.max_safe_scale
+      256.0
+      >>> [row.primitive for row in report.overflowing]  # the first overflows first
+      ['argument', 'tanh', 'dot_general']
+    """
+    if not callable(fun):
+        raise TypeError(f"fun must be callable, got {type(fun).__name__}")
+    if not (isinstance(scale, int | float) and not isinstance(scale, bool)) or not (0 < scale < math.inf):
+        raise ValueError(f"scale must be a positive finite number, got {scale!r}")
+    dtype = None if compute_dtype is None else floating_dtype("compute_dtype", compute_dtype)
+    argnums_t = (argnums,) if isinstance(argnums, int) else tuple(argnums)
+    n = len(args)
+    for a in argnums_t:
+        if not isinstance(a, int) or not -n <= a < n:
+            raise ValueError(f"argnums {argnums!r} out of range for {n} positional arguments")
+    argnums_t = tuple(a % n for a in argnums_t)
+    args = tuple(_cast(a, dtype) for a in args)
+
+    # Array leaves are traced; everything else stays a constant of the jaxpr.
+    flat = [_split(a) for a in args]
+
+    def rebuild(arrays: list[list]) -> tuple:
+        out = []
+        for (leaves, positions, treedef), values in zip(flat, arrays, strict=True):
+            leaves = list(leaves)
+            for i, v in zip(positions, values, strict=True):
+                leaves[i] = v
+            out.append(jax.tree.unflatten(treedef, leaves))
+        return tuple(out)
+
+    def loss_of(arrays):
+        out = fun(*rebuild(arrays))
+        if has_aux:
+            if not (isinstance(out, tuple) and len(out) == 2):
+                raise TypeError("with has_aux=True, fun must return a (loss, aux) pair")
+            out = out[0]
+        out = jnp.asarray(out)
+        if out.shape != () or not jnp.issubdtype(out.dtype, jnp.floating):
+            raise TypeError(f"fun must return a floating scalar loss, got {out.dtype}{list(out.shape)}")
+        return out
+
+    arrays = [[leaves[i] for i in positions] for leaves, positions, _ in flat]
+    closed = jax.make_jaxpr(loss_of)(arrays)
+    in_leaves = jax.tree.leaves(arrays)
+
+    # Differentiated arguments' floating leaves get rows first.
+    arg_sites = []
+    for a in argnums_t:
+        leaves, positions, treedef = flat[a]
+        paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args[a])[0]]
+        for i in positions:
+            if _probe_dtype(leaves[i]):
+                arg_sites.append((a, positions.index(i), f"args[{a}]{paths[i]}"))
+
+    discover = _Evaluator(None)
+    jax.eval_shape(lambda leaves: discover.run(closed.jaxpr, closed.consts, leaves), in_leaves)
+    sites = discover.sites
+    in_tree = jax.tree.structure(arrays)
+
+    def scaled_loss(probes, diff, leaves, s):
+        arrays = jax.tree.unflatten(in_tree, leaves)
+        for (a, j, _), value in zip(arg_sites, diff, strict=True):
+            arrays[a][j] = value
+        evaluator = _Evaluator(probes)
+        (loss,) = evaluator.run(closed.jaxpr, closed.consts, jax.tree.leaves(arrays))
+        forward = [peak_and_finite(jax.lax.stop_gradient(x).reshape(1, -1), (1,)) for x in evaluator.values]
+        return loss.astype(_at_least_float32(loss.dtype)) * s, forward
+
+    @jax.jit
+    def backward(leaves, s):
+        arrays = jax.tree.unflatten(in_tree, leaves)
+        diff = [arrays[a][j] for a, j, _ in arg_sites]
+        probes = [jnp.zeros(site.shape, site.dtype) for site in sites]
+        grads, forward = jax.grad(scaled_loss, argnums=(0, 1), has_aux=True)(probes, diff, leaves, s)
+        cotangents = list(grads[1]) + list(grads[0])
+        stats = []
+        for ct in cotangents:
+            peak, finite = peak_and_finite(ct.reshape(1, -1), (1,))
+            tiny = jnp.finfo(ct.dtype).tiny
+            magnitude = jnp.abs(ct)
+            stats.append(
+                (
+                    jnp.where(finite[0], peak[0].astype(jnp.float32), jnp.inf),
+                    jnp.mean(magnitude == 0, dtype=jnp.float32),
+                    jnp.mean(magnitude < tiny, dtype=jnp.float32),
+                    finite[0],
+                )
+            )
+        peaks = [peak_and_finite(x.reshape(1, -1), (1,)) for x in diff] + forward
+        return stats, [jnp.where(f[0], p[0].astype(jnp.float32), jnp.inf) for p, f in peaks]
+
+    def run(s: float):
+        stats, forward = jax.device_get(backward(in_leaves, jnp.float32(s)))
+        return stats, forward
+
+    def all_finite(stats) -> bool:
+        return all(bool(finite) for *_, finite in stats)
+
+    dtypes = [jnp.dtype(leaf.dtype) for a, j, _ in arg_sites for leaf in [arrays[a][j]]] + [s.dtype for s in sites]
+    stats, forward = run(scale)
+    safe = _max_safe_scale(run, all_finite, stats, dtypes, scale)
+    headroom = [math.nan] * len(stats)
+    if safe is not None:
+        safe_stats, _ = run(safe)
+        headroom = [
+            math.inf if peak == 0 else float(jnp.finfo(dt).max) / float(peak)
+            for (peak, *_), dt in zip(safe_stats, dtypes, strict=True)
+        ]
+    described = [(label, "argument", tuple(np.shape(arrays[a][j]))) for a, j, label in arg_sites] + [
+        (s.where, s.primitive, s.shape) for s in sites
+    ]
+    rows = [
+        RangeRow(
+            index=i,
+            where=where,
+            primitive=primitive,
+            shape=shape,
+            dtype=str(dt),
+            forward_max=float(fmax),
+            backward_max=float(peak),
+            backward_zero=float(zero),
+            backward_below_normal=float(below),
+            overflows=not bool(finite),
+            headroom=room,
+        )
+        for i, ((where, primitive, shape), dt, fmax, (peak, zero, below, finite), room) in enumerate(
+            zip(described, dtypes, forward, stats, headroom, strict=True)
+        )
+    ]
+    notes = []
+    if discover.inlined:
+        notes.append("looked into: " + ", ".join(sorted(discover.inlined)))
+    if discover.whole:
+        notes.append("kept whole (one row per output): " + ", ".join(sorted(discover.whole)))
+    return RangeReport(rows, float(scale), safe, "; ".join(notes))
+
+
+def _max_safe_scale(run, all_finite, stats, dtypes, scale: float) -> float | None:
+    """The largest power of two ``s`` with every cotangent finite at ``s``:
+    estimated from the maxima at ``scale`` (cotangents grow linearly with
+    the scale), then confirmed by running at ``s`` and ``2 s``."""
+    finite_rows = [(peak, dt) for (peak, _, _, finite), dt in zip(stats, dtypes, strict=True) if finite and peak > 0]
+    exponent = math.floor(math.log2(scale))
+    if finite_rows:
+        room = min(float(jnp.finfo(dt).max) / float(peak) for peak, dt in finite_rows)
+        exponent = math.floor(math.log2(scale * room))
+    if not all_finite(stats):
+        exponent = min(exponent, math.ceil(math.log2(scale)) - 1)
+    exponent = max(min(exponent, 127), -64)
+    # Down until finite, then up while the next power is finite.
+    while not all_finite(run(2.0**exponent)[0]):
+        exponent -= 1
+        if exponent < -64:
+            return None
+    while exponent < 127 and all_finite(run(2.0 ** (exponent + 1))[0]):
+        exponent += 1
+    return 2.0**exponent
+
+
+def format_report(report: RangeReport, limit: int = 20) -> str:
+    """The report as a table, least headroom first (at most ``limit`` rows)."""
+    safe = "none" if report.max_safe_scale is None else f"2**{int(math.log2(report.max_safe_scale))}"
+    lines = [
+        f"range report at scale {report.scale:g}: {len(report.rows)} values, "
+        f"{sum(r.overflows for r in report.rows)} overflow; max safe scale {safe}",
+    ]
+    if report.notes:
+        lines.append(report.notes)
+    header = ("where", "op", "shape", "dtype", "fwd max", "bwd max", "bwd 0", "bwd <normal", "headroom", "")
+    body = []
+    for r in sorted(report.rows, key=_offender_order)[:limit]:
+        body.append(
+            (
+                r.where if len(r.where) <= 60 else r.where[:57] + "...",
+                r.primitive,
+                "x".join(map(str, r.shape)) or "()",
+                r.dtype,
+                f"{r.forward_max:.3g}",
+                f"{r.backward_max:.3g}",
+                f"{r.backward_zero:.0%}",
+                f"{r.backward_below_normal:.0%}",
+                "nan" if math.isnan(r.headroom) else f"{r.headroom:.3g}",
+                "OVERFLOW" if r.overflows else "",
+            )
+        )
+    widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
+    for row in [header, *body]:
+        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+    if len(report.rows) > limit:
+        lines.append(f"... {len(report.rows) - limit} more rows in report.rows")
+    return "\n".join(lines)
