@@ -16,7 +16,6 @@ probed.
 from __future__ import annotations
 
 import math
-import os
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -26,15 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from loss_scale._check import peak_and_finite
+from loss_scale._probe import Evaluator, is_probed
 from loss_scale._types import PyTree
 from loss_scale._unscale import compute_dtype as _at_least_float32
 from loss_scale._validate import floating_dtype
-
-# Equations whose inner jaxpr is evaluated in place (their equations get rows).
-_INLINED = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
-_REMAT = {"checkpoint", "remat", "remat2"}
-# Equations kept whole: their outputs get one row each.
-_WHOLE = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "scan", "while", "cond")
 
 
 class RangeRow(NamedTuple):
@@ -107,100 +101,6 @@ class RangeReport(NamedTuple):
 def _offender_order(row: RangeRow) -> tuple[float, int]:
     headroom = row.headroom if not math.isnan(row.headroom) else -1.0
     return (headroom, -row.index)
-
-
-class _Site(NamedTuple):
-    where: str
-    primitive: str
-    shape: tuple[int, ...]
-    dtype: jnp.dtype
-
-
-def _probe_dtype(x: Any) -> bool:
-    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
-
-
-def _describe(eqn: Any, prefix: str) -> str:
-    """The name stack (``jax.named_scope``, jitted functions, flax modules)
-    and the user's ``file:line (function)``."""
-    name = "/".join(p for p in (prefix, str(eqn.source_info.name_stack)) if p)
-    try:
-        from jax._src import source_info_util
-
-        frame = source_info_util.user_frame(eqn.source_info.traceback)
-        line = f"{os.path.basename(frame.file_name)}:{frame.start_line} ({frame.function_name})" if frame else ""
-    except Exception:  # a private helper moved: the name alone
-        line = ""
-    return " ".join(p for p in (name, line) if p)
-
-
-def _bind(eqn: Any, invals: list) -> Any:
-    """``eqn``'s primitive applied to ``invals``, as ``jax.core.eval_jaxpr``
-    does (before jax 0.9 ``get_bind_params`` also returned sub-functions)."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns = []
-    if isinstance(params, tuple):
-        subfuns, params = params
-    with eqn.ctx.manager:
-        return eqn.primitive.bind(*subfuns, *invals, **params)
-
-
-class _Evaluator:
-    """Evaluates a jaxpr equation by equation, adding the next probe to each
-    floating output; with ``probes=None`` records the sites instead."""
-
-    def __init__(self, probes: list | None):
-        self.probes = probes
-        self.sites: list[_Site] = []
-        self.values: list[jax.Array] = []
-        self.inlined: set[str] = set()
-        self.whole: set[str] = set()
-
-    def probe(self, x: Any, where: str, primitive: str) -> Any:
-        if not _probe_dtype(x):
-            return x
-        index = len(self.sites)
-        self.sites.append(_Site(where, primitive, tuple(x.shape), x.dtype))
-        if self.probes is not None:
-            x = x + self.probes[index]
-        self.values.append(x)
-        return x
-
-    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], prefix: str = "") -> list[Any]:
-        env: dict[Any, Any] = {}
-
-        def read(v):
-            return v.val if isinstance(v, jax.extend.core.Literal) else env[v]
-
-        for v, x in zip(jaxpr.constvars, consts, strict=True):
-            env[v] = x
-        for v, x in zip(jaxpr.invars, args, strict=True):
-            env[v] = x
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            name = eqn.primitive.name
-            if name in _INLINED and _INLINED[name] in eqn.params:
-                inner = eqn.params[_INLINED[name]]
-                label = eqn.params.get("name", name)
-                self.inlined.add(f"{name}")
-                scope = "/".join(p for p in (prefix, str(eqn.source_info.name_stack), f"{name}({label})") if p)
-                outs = self.run(inner.jaxpr, inner.consts, invals, scope)
-            elif name in _REMAT and "jaxpr" in eqn.params:
-                self.inlined.add(name)
-                scope = "/".join(p for p in (prefix, str(eqn.source_info.name_stack), name) if p)
-                outs = self.run(eqn.params["jaxpr"], (), invals, scope)
-            else:
-                if name.startswith(_WHOLE):
-                    self.whole.add(name)
-                outs = _bind(eqn, invals)
-                if not eqn.primitive.multiple_results:
-                    outs = [outs]
-                where = _describe(eqn, prefix)
-                outs = [self.probe(x, where, name) for x in outs]
-            for v, x in zip(eqn.outvars, outs, strict=True):
-                if type(v).__name__ != "DropVar":  # an output nobody reads
-                    env[v] = x
-        return [read(v) for v in jaxpr.outvars]
 
 
 def _split(tree: PyTree) -> tuple[list, list[int], Any]:
@@ -320,10 +220,10 @@ def range_report(
         leaves, positions, treedef = flat[a]
         paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(args[a])[0]]
         for i in positions:
-            if _probe_dtype(leaves[i]):
+            if is_probed(leaves[i]):
                 arg_sites.append((a, positions.index(i), f"args[{a}]{paths[i]}"))
 
-    discover = _Evaluator(None)
+    discover = Evaluator(None)
     jax.eval_shape(lambda leaves: discover.run(closed.jaxpr, closed.consts, leaves), in_leaves)
     sites = discover.sites
     in_tree = jax.tree.structure(arrays)
@@ -332,7 +232,7 @@ def range_report(
         arrays = jax.tree.unflatten(in_tree, leaves)
         for (a, j, _), value in zip(arg_sites, diff, strict=True):
             arrays[a][j] = value
-        evaluator = _Evaluator(probes)
+        evaluator = Evaluator(probes)
         (loss,) = evaluator.run(closed.jaxpr, closed.consts, jax.tree.leaves(arrays))
         forward = [peak_and_finite(jax.lax.stop_gradient(x).reshape(1, -1), (1,)) for x in evaluator.values]
         return loss.astype(_at_least_float32(loss.dtype)) * s, forward
