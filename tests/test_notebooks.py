@@ -44,6 +44,7 @@ def test_every_notebook_has_its_source():
             "01_why_loss_scaling",
             "02_train_with_flax",
             "03_diagnostics",
+            "04_why_did_my_run_fail",
         ]
     )
     assert not (NOTEBOOK_DIR / "_build.py").exists()
