@@ -15,6 +15,7 @@ from loss_scale._fused import apply_gradients
 from loss_scale._grad import find_state, get_scale, scale_loss, unscale, value_and_grad
 from loss_scale._metrics import metrics, overflow_paths
 from loss_scale._migrate import wrap_opt_state
+from loss_scale._peak import value_grad_and_peak
 from loss_scale._precision import Policy, for_dtype
 from loss_scale._range_report import RangeReport, RangeRow, range_report
 from loss_scale._rules.dynamic import dynamic
@@ -49,5 +50,6 @@ __all__ = [
     "static",
     "unscale",
     "value_and_grad",
+    "value_grad_and_peak",
     "wrap_opt_state",
 ]

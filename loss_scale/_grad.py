@@ -146,18 +146,35 @@ def value_and_grad(
 
     @named_after(fun)
     def wrapped(opt_state: PyTree, *args, **kwargs):
-        scale = jax.lax.stop_gradient(get_scale(opt_state))
-        typed = axis_name is not None and _typed(axis_name)
-
-        mean_over = axis_name if typed else None
-        scaled = scaled_objective(fun, has_aux, scale, mean_over)
+        scaled, averaged = data_parallel_objective(fun, has_aux, get_scale(opt_state), axis_name)
         grad_fn = jax.grad(scaled, argnums=argnums, has_aux=True, allow_int=allow_int)
         grads, out = grad_fn(*args, **kwargs)
-        if axis_name is not None and not typed:
-            grads = jax.lax.pmean(grads, axis_name)
-        return out, grads
+        return out, averaged(grads)
 
     return wrapped
+
+
+def data_parallel_objective(
+    fun: Callable[..., Any], has_aux: bool, scale: jax.Array, axis_name: AxisName | None
+) -> tuple[Callable[..., tuple[jax.Array, Any]], Callable[[PyTree], PyTree]]:
+    """What ``value_and_grad`` (and ``value_grad_and_peak``) differentiate,
+    and what they do to the gradients after: ``(scaled, averaged)``.
+
+    ``scaled`` is ``scaled_objective`` of ``fun`` at ``scale`` (held
+    constant), averaging the loss over ``axis_name`` where JAX types values
+    along it; ``averaged`` takes the ``pmean`` of the gradients where it
+    does not (``pmap``, ``check_vma=False``), and is the identity otherwise.
+    """
+    scale = jax.lax.stop_gradient(scale)
+    typed = axis_name is not None and _typed(axis_name)
+    scaled = scaled_objective(fun, has_aux, scale, axis_name if typed else None)
+
+    def averaged(grads: PyTree) -> PyTree:
+        if axis_name is not None and not typed:
+            return jax.lax.pmean(grads, axis_name)
+        return grads
+
+    return scaled, averaged
 
 
 def named_after(fun: Callable) -> Callable[[Callable], Callable]:

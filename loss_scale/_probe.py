@@ -20,6 +20,8 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
+from loss_scale._sharding import varying_axes
+
 # Equations whose inner jaxpr is evaluated in place (their equations get rows).
 _INLINED = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
 _REMAT = {"checkpoint", "remat", "remat2"}
@@ -32,6 +34,9 @@ class Site(NamedTuple):
     primitive: str
     shape: tuple[int, ...]
     dtype: jnp.dtype
+    # The shard_map axes the value varies along: its probe must vary along
+    # them too, or the probe's gradient would be summed over them.
+    varying: frozenset = frozenset()
 
 
 def is_probed(x: Any) -> bool:
@@ -78,7 +83,7 @@ class Evaluator:
         if not is_probed(x):
             return x
         index = len(self.sites)
-        self.sites.append(Site(where, primitive, tuple(x.shape), x.dtype))
+        self.sites.append(Site(where, primitive, tuple(x.shape), x.dtype, varying_axes(jax.typeof(x))))
         if self.probes is not None:
             x = x + self.probes[index]
         self.values.append(x)

@@ -27,7 +27,13 @@ def match_varying(x: jax.Array, like) -> jax.Array:
     """``x`` marked as varying along the ``shard_map`` axes ``like`` varies
     along, so that both branches of a ``lax.cond`` have the same type. Only
     the type changes, never the values."""
-    missing = varying_axes(like) - varying_axes(jax.typeof(x))
+    return vary_along(x, varying_axes(like))
+
+
+def vary_along(x: jax.Array, axes: frozenset) -> jax.Array:
+    """``x`` marked as varying along the ``shard_map`` axes ``axes`` (and
+    those it varies along already); the values do not change."""
+    missing = axes - varying_axes(jax.typeof(x))
     if not missing:
         return x
     cast = getattr(jax.lax, "pcast", None)

@@ -169,6 +169,7 @@ def next_state(
     inner_state: optax.OptState,
     loss_finite: jax.Array | None = None,
     backoff_on_nonfinite_loss: bool = False,
+    backward_peak: jax.Array | None = None,
 ) -> LossScaleState:
     """The state after one update: the rule moves the scale, the counters
     record what happened, the statistics of this step replace the last.
@@ -176,15 +177,16 @@ def next_state(
     ``loss_finite`` (``None`` when no loss was passed) tells a forward
     failure apart: the step is skipped, but a smaller scale cannot make a
     non-finite loss finite, so the rule does not see it unless
-    ``backoff_on_nonfinite_loss``."""
+    ``backoff_on_nonfinite_loss``. ``backward_peak`` (``None`` when not
+    passed) goes to the rule as it is."""
     before = RuleState(state.scale, state.good_steps, state.counters)
     if loss_finite is None:
         loss_finite = jnp.array(True)
     forward_failure = jnp.logical_not(loss_finite)
     if backoff_on_nonfinite_loss:
-        moved = rule.adjust(before, jnp.logical_and(finite, loss_finite), stats.grad_max)
+        moved = rule.adjust(before, jnp.logical_and(finite, loss_finite), stats.grad_max, backward_peak)
     else:
-        moved = select(forward_failure, before, rule.adjust(before, finite, stats.grad_max))
+        moved = select(forward_failure, before, rule.adjust(before, finite, stats.grad_max, backward_peak))
     skipped = jnp.logical_not(jnp.logical_and(finite, loss_finite))
     skip_reason = jnp.where(forward_failure, 2, jnp.where(finite, 0, 1)).astype(jnp.int32)
     nonfinite_leaves = state.stats.nonfinite_leaves

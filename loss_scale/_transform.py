@@ -9,7 +9,10 @@ One update, in order:
    gradients and runs the inner update (so XLA fuses the division into the
    inner optimizer's elementwise pass); the skip branch returns zero updates
    and the inner state exactly as it was;
-3. the rule adjusts the scale and its counters (``_state.next_state``).
+3. the rule adjusts the scale and its counters (``_state.next_state``),
+   given the backward pass's measured peak when the caller passes one as
+   ``backward_peak=`` (``loss_scale.value_grad_and_peak``; it is not passed
+   on to the inner optimizer).
 """
 
 from __future__ import annotations
@@ -170,6 +173,9 @@ def loss_scaled(inner: Any, rule: Rule, options: Settings) -> LossScaleTransform
             )
         scale = state.scale
         _check_layout(state, layout)
+        # The backward peak is this transformation's, not the inner optimizer's.
+        extra_args = dict(extra_args)
+        backward_peak = _backward_peak(extra_args.pop("backward_peak", None), options.axis_name)
         num_leaves = len(jax.tree.leaves(grads))
         if options.locate_overflows and num_leaves != state.stats.nonfinite_leaves.shape[0]:
             raise ValueError(
@@ -186,7 +192,7 @@ def loss_scaled(inner: Any, rule: Rule, options: Settings) -> LossScaleTransform
         if not options.check_finite:
             out, inner_state = inner_step(unscale_tree(grads, scale), state.inner_state, params)
             stats = GradStats(jnp.ones((0,), jnp.bool_), jnp.full((), jnp.nan, jnp.float32), None)
-            return out, next_state(rule, state, stats, jnp.array(True), inner_state)
+            return out, next_state(rule, state, stats, jnp.array(True), inner_state, backward_peak=backward_peak)
 
         # 1. Check: one read of every gradient (and the loss, when passed).
         stats = gradient_stats(grads, scale, options.with_norm, options.track_underflow, options.axis_name)
@@ -228,7 +234,9 @@ def loss_scaled(inner: Any, rule: Rule, options: Settings) -> LossScaleTransform
         # 2. Apply or skip, on one scalar.
         out, inner_state = jax.lax.cond(go, taken, skip, grads, state.inner_state, params)
         # 3. Adjust the scale and record the step.
-        new_state = next_state(rule, state, stats, finite, inner_state, loss_finite, options.backoff_on_nonfinite_loss)
+        new_state = next_state(
+            rule, state, stats, finite, inner_state, loss_finite, options.backoff_on_nonfinite_loss, backward_peak
+        )
         if options.max_consecutive_skips is not None:
             raise_when_stuck(new_state, stats.leaf_finite, grads, options.max_consecutive_skips)
         return out, new_state
@@ -259,6 +267,24 @@ def _loss_finite(value: Any, axis_name: Any) -> jax.Array | None:
     if axis_name is not None:
         finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
     return finite
+
+
+def _backward_peak(peak: Any, axis_name: Any) -> jax.Array | None:
+    """The ``backward_peak=`` extra argument as a float32 scalar (the
+    largest over ``axis_name``, so that every replica moves its scale
+    alike); ``None`` when not passed."""
+    if peak is None:
+        return None
+    peak = jnp.asarray(peak)
+    if peak.shape != () or not jnp.issubdtype(peak.dtype, jnp.floating):
+        raise TypeError(
+            f"backward_peak must be a floating scalar (the third output of ls.value_grad_and_peak), got "
+            f"{peak.dtype}{list(peak.shape)}"
+        )
+    peak = peak.astype(jnp.float32)
+    if axis_name is not None:
+        peak = jax.lax.pmax(peak, axis_name)
+    return peak
 
 
 def _is_state(x: Any) -> bool:

@@ -119,17 +119,42 @@ def test_predictive_benchmark_quick_trains_every_rule(capsys):
     results = module.main(["--quick", "--workloads", "regression"])
     [(name, workload)] = results["workloads"].items()
     assert name == "raw-column regression" and workload["steps"] == 6
-    assert set(workload["runs"]) == {"float32", "torch rule", "ls.predictive"}
+    assert set(workload["runs"]) == {"float32", "torch rule", "ls.predictive", "ls.predictive + peak"}
     for run in workload["runs"].values():
         assert len(run["scales"]) == 6 and math.isfinite(run["eval_loss"])
         assert 0 <= run["skipped_steps"] <= 6
     # torch's 2**16 overflows this model's float16 gradients at the start.
     assert workload["runs"]["torch rule"]["skipped"][0]
     assert workload["runs"]["ls.predictive"]["headroom"] is not None
+    # Measured peaks, from a first step at scale 1: no skip.
+    assert workload["runs"]["ls.predictive + peak"]["skipped_steps"] == 0
     runs, summary = printed_tables(capsys.readouterr().out)
     assert list(runs[0]) == list(module.RUN_HEADERS) and list(summary[0]) == list(module.SUMMARY_HEADERS)
-    assert [r["rule"] for r in runs] == ["float32", "torch rule", "ls.predictive"]
+    assert [r["rule"] for r in runs] == ["float32", "torch rule", "ls.predictive", "ls.predictive + peak"]
     assert summary[0]["workload"] == "raw-column regression"
+
+
+def test_predictive_benchmark_timing_quick_times_every_variant(capsys):
+    module = load("predictive")
+    results = module.main(["--timing", "--quick", "--rounds", "1", "--warmup", "0", "--block", "2"])
+    rows = results["timing"]["rows"]
+    assert [r["variant"] for r in rows] == list(module.TIMING_VARIANTS)
+    for row in rows:
+        assert row["steps"] == 2 and row["ratio"]["rounds"] == 1 and row["ms_per_step"] > 0
+    [table] = printed_tables(capsys.readouterr().out)
+    assert list(table[0]) == list(module.TIMING_HEADERS)
+
+
+def test_predictive_benchmark_simulation_models_a_measured_peak():
+    module = load("predictive")
+    from loss_scale._rules.predictive import PredictiveRule
+
+    grads = module.drifting_gradients(300, noise=0.05)
+    scales, overflowed = module.simulate(PredictiveRule(initial_scale=1.0), grads, 3000.0, every=16)
+    assert not overflowed.any() and scales[0] == 1.0 and scales[1] > 1.0
+    # Without measurements, the same rule learns the amplification by overflowing.
+    _, overflowed = module.simulate(PredictiveRule(initial_scale=1.0), grads, 3000.0)
+    assert overflowed.any()
 
 
 @pytest.mark.parametrize("name", ["overhead", "compile_time", "predictive", "speedup"])

@@ -318,6 +318,8 @@ COUNTER_DTYPES = {
     "grad_peak": jnp.float32,
     "searching": jnp.bool_,
     "overflow_run": jnp.int32,
+    "extra_headroom": jnp.int32,
+    "measured": jnp.bool_,
     "overflows": jnp.int32,
 }
 

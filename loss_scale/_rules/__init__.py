@@ -5,9 +5,11 @@ builds it, and kept out of the state so that ``jit`` and checkpoints cannot
 lose them) with two pure functions of arrays:
 
 * ``init()``: the scale and counters at step 0;
-* ``adjust(state, finite, grad_max)``: the scale and counters after a step,
-  given whether the step's unscaled gradients were all finite and their
-  largest magnitude.
+* ``adjust(state, finite, grad_max, backward_peak=None)``: the scale and
+  counters after a step, given whether the step's unscaled gradients were
+  all finite, their largest magnitude and, when the step measured it
+  (``loss_scale.value_grad_and_peak``), the largest value of its backward
+  pass. Only ``predictive`` reads ``backward_peak``; the others ignore it.
 
 Each rule keeps its own counters in a NamedTuple with honest names
 (``DynamicCounters``, ``PredictiveCounters``...). Every rule of the update
@@ -73,10 +75,15 @@ class Rule(Protocol):
         """The scale and counters at step 0."""
         ...
 
-    def adjust(self, state: RuleState, finite: jax.Array, grad_max: jax.Array) -> RuleState:
+    def adjust(
+        self, state: RuleState, finite: jax.Array, grad_max: jax.Array, backward_peak: jax.Array | None = None
+    ) -> RuleState:
         """The scale and counters after a step whose unscaled gradients were
         all finite (``finite``, a bool scalar) with largest magnitude
-        ``grad_max`` (float32; inf on an overflow)."""
+        ``grad_max`` (float32; inf on an overflow). ``backward_peak``
+        (float32, ``None`` when not given): the largest magnitude of the
+        step's scaled backward pass in the compute dtype, 0 on a step that
+        did not measure it."""
         ...
 
 

@@ -65,8 +65,10 @@ class CerebrasRule(FloorAtMinScale):
             CerebrasCounters(overflows=jnp.zeros((), jnp.int32)),
         )
 
-    def adjust(self, state: RuleState, finite: jax.Array, grad_max: jax.Array) -> RuleState:
-        del grad_max  # a reactive rule
+    def adjust(
+        self, state: RuleState, finite: jax.Array, grad_max: jax.Array, backward_peak: jax.Array | None = None
+    ) -> RuleState:
+        del grad_max, backward_peak  # a reactive rule
         scale, clean, (overflows,) = state
         clean = clean + finite.astype(jnp.int32)
         overflows = overflows + jnp.logical_not(finite).astype(jnp.int32)

@@ -88,8 +88,10 @@ class DynamicRule:
             ),
         )
 
-    def adjust(self, state: RuleState, finite: jax.Array, grad_max: jax.Array) -> RuleState:
-        del grad_max  # a reactive rule: only whether the step overflowed matters
+    def adjust(
+        self, state: RuleState, finite: jax.Array, grad_max: jax.Array, backward_peak: jax.Array | None = None
+    ) -> RuleState:
+        del grad_max, backward_peak  # a reactive rule: only whether the step overflowed matters
         scale, good_steps, counters = state
         hysteresis = jnp.asarray(self.hysteresis, jnp.int32)
         # A state restored from a run with a larger hysteresis keeps at most this one's allowance.

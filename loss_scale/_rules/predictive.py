@@ -29,18 +29,34 @@ class PredictiveCounters(NamedTuple):
       searching: bool, the headroom search is on (until the first overflow
         after a measurement, H drops by one a clean step).
       overflow_run: int32, overflows in a row so far (each backs off faster).
+      extra_headroom: int32, binades added to a measured headroom: one for
+        every overflow (the first of a run) while ``measured``, one fewer
+        after every ``headroom_interval`` clean steps in a row. It keeps a
+        peak that the measurement misses (inside a ``scan`` or a
+        ``custom_vjp``) from costing a skipped step after every measurement;
+        0 without measured peaks.
+      measured: bool, H was set from a measured backward peak
+        (``backward_peak``, see ``loss_scale.value_grad_and_peak``).
     """
 
     headroom: jax.Array
     grad_peak: jax.Array
     searching: jax.Array
     overflow_run: jax.Array
+    extra_headroom: jax.Array
+    measured: jax.Array
 
 
 def _floor_log2(x: jax.Array) -> jax.Array:
     """``floor(log2(x))`` as int32, exact for positive finite float32 (XLA's
     log2 is not exact at powers of two)."""
     return jnp.frexp(x)[1] - 1
+
+
+def _ceil_log2(x: jax.Array) -> jax.Array:
+    """``ceil(log2(x))`` as int32, exact for positive finite float32."""
+    mantissa, exponent = jnp.frexp(x)
+    return exponent - (mantissa == 0.5).astype(jnp.int32)
 
 
 def _pow2(exponent: jax.Array) -> jax.Array:
@@ -92,9 +108,38 @@ class PredictiveRule(FloorAtMinScale):
       256, ... (15 binades in four skips, where halving needs 15); the climb
       back is a binade a step.
 
-    ``good_steps`` counts the clean steps since H last changed (toward the
-    next relaxation). Settings are validated by ``predictive``, which builds
-    the rule.
+    Measured backward peaks (``backward_peak``, from
+    ``loss_scale.value_grad_and_peak``): on a clean step with a measured
+    peak B (finite, > 0, and a non-zero gradient), H is not learned by
+    overflowing but set from the measurement: ::
+
+        H = min_headroom + extra_headroom + max(0, ceil(log2(B / (grad_max * scale))))
+
+    the last term being how many binades the backward pass's largest value
+    exceeded the largest scaled parameter gradient by, rounded up: H is
+    whole and ``target`` rounds down, so that until the next measurement,
+    while the gradients stay within ``grad_peak`` and the amplification as
+    measured, the backward pass's largest value keeps at least
+    ``min_headroom + extra_headroom`` binades below the threshold (and less
+    than two more right after the measurement). The scale moves to ``target`` at once, in either
+    direction (it is measured, so there is no one-binade cap), the search
+    ends and ``measured`` is set. Between measurements H is kept, not
+    relaxed: after ``headroom_interval`` clean steps in a row
+    ``extra_headroom`` drops by one instead, and the next step measures
+    again. An overflow still raises H at once, and while ``measured`` adds
+    one to ``extra_headroom``, which later measurements keep (a peak that
+    the measurement does not see, inside a ``scan`` say, then costs a skip
+    or two, not one after every measurement). A step without a measurement
+    (``backward_peak`` ``None`` or 0, an overflowing step, a non-finite
+    peak) is otherwise as without measurements.
+    The first measurement is on the first step, at ``initial_scale``: start
+    at a scale that cannot overflow (``initial_scale=1.0``) and the scale
+    moves to the measured target after one step.
+
+    ``good_steps`` counts the clean steps since H was last relaxed or raised
+    by an overflow (toward the next relaxation; a measurement does not
+    restart it, so that measuring every k steps keeps its period).
+    Settings are validated by ``predictive``, which builds the rule.
     """
 
     initial_scale: float = 2.0**15
@@ -114,6 +159,8 @@ class PredictiveRule(FloorAtMinScale):
                 grad_peak=jnp.zeros((), jnp.float32),
                 searching=jnp.ones((), jnp.bool_),
                 overflow_run=jnp.zeros((), jnp.int32),
+                extra_headroom=jnp.zeros((), jnp.int32),
+                measured=jnp.zeros((), jnp.bool_),
             ),
         )
 
@@ -132,9 +179,11 @@ class PredictiveRule(FloorAtMinScale):
         """The power of two at or below ``threshold / (peak * 2**headroom)``."""
         return _pow2(jnp.clip(self._room(peak) - headroom, -200, 200))
 
-    def adjust(self, state: RuleState, finite: jax.Array, grad_max: jax.Array) -> RuleState:
+    def adjust(
+        self, state: RuleState, finite: jax.Array, grad_max: jax.Array, backward_peak: jax.Array | None = None
+    ) -> RuleState:
         scale, good_steps, counters = state
-        headroom, peak, searching, run_so_far = counters
+        headroom, peak, searching, run_so_far, extra, measured = counters
         known = peak > 0  # a clean step with a non-zero gradient was seen
 
         # Clean step.
@@ -142,13 +191,16 @@ class PredictiveRule(FloorAtMinScale):
         new_peak = jnp.maximum(grad_max, peak * jnp.float32(2.0 ** (-1.0 / self.peak_half_life)))
         clean_steps = good_steps + 1
         relax = (searching & known) | (clean_steps >= self.headroom_interval)
-        clean_headroom = jnp.where(relax, jnp.maximum(headroom - 1, self.min_headroom), headroom)
+        # A measured H is not probed: its extra margin relaxes instead, and
+        # the next step (good_steps 0) measures again.
+        clean_headroom = jnp.where(relax & ~measured, jnp.maximum(headroom - 1, self.min_headroom), headroom)
         # The first measurement: no more headroom than this step had.
         had_now = self._room(grad_max * scale)
         first_headroom = jnp.maximum(jnp.minimum(clean_headroom, had_now), self.min_headroom)
         clean_headroom = jnp.where(known, clean_headroom, first_headroom)
         target = self.target(new_peak, clean_headroom)
         target = jnp.where(known, jnp.minimum(target, scale * 2), target)
+        clean_extra = jnp.where(relax & measured, jnp.maximum(extra - 1, 0), extra).astype(jnp.int32)
         clean = RuleState(
             scale=self._clamp(jnp.where(new_peak > 0, target, scale), scale),
             good_steps=jnp.where(relax, 0, clean_steps).astype(jnp.int32),
@@ -157,8 +209,12 @@ class PredictiveRule(FloorAtMinScale):
                 grad_peak=new_peak,
                 searching=searching,
                 overflow_run=jnp.zeros((), jnp.int32),
+                extra_headroom=clean_extra,
+                measured=measured & ~relax,
             ),
         )
+        if backward_peak is not None:
+            clean = self._measured(clean, finite, grad_max, scale, jnp.asarray(backward_peak, jnp.float32))
 
         # Overflow.
         first = run_so_far == 0
@@ -179,9 +235,35 @@ class PredictiveRule(FloorAtMinScale):
                 grad_peak=peak,
                 searching=searching & ~known,
                 overflow_run=run.astype(jnp.int32),
+                extra_headroom=(extra + (first & known & measured).astype(jnp.int32)).astype(jnp.int32),
+                measured=measured,
             ),
         )
         return select(finite, clean, overflow)
+
+    def _measured(
+        self, clean: RuleState, finite: jax.Array, grad_max: jax.Array, scale: jax.Array, backward_peak: jax.Array
+    ) -> RuleState:
+        """The clean step's state, with the headroom set from a measured
+        backward peak where the step has one (see the class docstring)."""
+        counters = clean.counters
+        # How much larger than the largest scaled parameter gradient the
+        # backward pass's largest value was, in binades rounded up: a whole H
+        # that keeps min_headroom binades under any grad_peak until the next
+        # measurement (the target's own rounding is down).
+        amplification = backward_peak / (grad_max * scale)
+        measured = finite & (backward_peak > 0) & jnp.isfinite(backward_peak) & (grad_max > 0)
+        measured &= jnp.isfinite(amplification) & (amplification > 0)
+        binades = jnp.maximum(_ceil_log2(jnp.where(measured, amplification, 1.0)), 0)
+        headroom = jnp.clip(self.min_headroom + counters.extra_headroom + binades, -1000, 1000).astype(jnp.int32)
+        at_measured = RuleState(
+            scale=self._clamp(self.target(counters.grad_peak, headroom), clean.scale),
+            good_steps=clean.good_steps,
+            counters=counters._replace(
+                headroom=headroom, searching=jnp.zeros((), jnp.bool_), measured=jnp.ones((), jnp.bool_)
+            ),
+        )
+        return select(measured, at_measured, clean)
 
 
 @takes_options()
@@ -222,6 +304,14 @@ def predictive(
     256, ...; an overflow before any clean step drops the scale to
     ``min_scale``. Every rule of the update is in
     ``loss_scale/_rules/predictive.py``'s ``PredictiveRule``.
+
+    With the backward pass measured (``loss_scale.value_grad_and_peak``
+    and ``tx.update(..., backward_peak=peak)``), the headroom is set from
+    the measured largest value of the whole backward pass instead of learned
+    by overflowing: the scale moves to where that value, rescaled, keeps
+    ``min_headroom`` binades below the float16 maximum, in either direction,
+    on every measuring step. Start at ``initial_scale=1.0`` then: the first
+    step measures at a scale that cannot overflow.
 
     Args:
       inner: the optimizer to wrap.
