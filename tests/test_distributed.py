@@ -24,6 +24,11 @@ import loss_scale as ls
 N = 4
 STEPS = 10
 POISONED = {3: 5, 6: 21, 7: 30}  # step -> row of the global batch that holds an inf
+# A leaf larger than the check's small-leaf bound (loss_scale._check.SMALL_LEAF)
+# even when sliced over N devices: large leaves are checked one by one, and
+# their norm and underflow counts must be added up over the axis exactly when
+# they are sharded.
+BIG = 2**17
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +48,7 @@ def batch(step, n=N * 8):
 
 
 def loss_fn(params, x, y):
-    return jnp.mean((x @ params["w"] + params["b"] - y) ** 2)
+    return jnp.mean((x @ params["w"] + params["b"] - y) ** 2) + 256 * jnp.mean(x[:, 0]) * jnp.mean(params["v"])
 
 
 STATISTICS = {"max_grad_norm": 0.5, "track_grad_norm": True, "track_underflow": True}
@@ -54,7 +59,7 @@ def make_tx(axis_name=None, **options):
 
 
 def init_params():
-    return {"w": jnp.zeros((8, 1)), "b": jnp.zeros((1, 1))}
+    return {"w": jnp.zeros((8, 1)), "b": jnp.zeros((1, 1)), "v": jnp.zeros((BIG,))}
 
 
 def record(trace, params, state, grads, state_before):
@@ -169,10 +174,11 @@ def test_shard_map_with_sharded_params_equals_one_device(mesh, reference, option
     tx = make_tx("data", **options)
 
     def loss(params, x, y):
-        full = {"w": jax.lax.all_gather(params["w"], "data", tiled=True), "b": params["b"]}
+        full = {name: jax.lax.all_gather(params[name], "data", tiled=True) for name in ("w", "v")}
+        full["b"] = params["b"]
         return loss_fn(full, x, y)
 
-    specs = {"w": P("data"), "b": P()}
+    specs = {"w": P("data"), "b": P(), "v": P("data")}
     params = jax.device_put(init_params(), {k: NamedSharding(mesh, v) for k, v in specs.items()})
     # Adam's moments of w are sliced like w, everything else is replicated.
     state = tx.init(params)
