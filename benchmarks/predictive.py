@@ -40,7 +40,9 @@ compare the three rules over 20000-40000 steps.
 ``--timing`` times instead a training step of ``examples/nnx_lm.py``'s
 transformer (float16 compute, ``ls.predictive`` + ``ls.apply_gradients``)
 with ``ls.value_and_grad`` (not measuring) and with
-``ls.value_grad_and_peak`` measuring every 16 steps and every step: each
+``ls.value_grad_and_peak`` measuring every 16 steps (in the step, where a
+``lax.cond`` on ``good_steps`` picks the evaluation; or from Python, calling
+a second jitted step that measures on every 16th step) and every step: each
 round runs 16 steps of every variant, interleaved, and the table gives the
 paired per-round ratios to not measuring (median and 95% CI).
 
@@ -526,7 +528,16 @@ def format_table(results: dict[str, Any]) -> str:
 # ---------------------------------------------------------------------------
 
 NOT_MEASURING = "not measuring (ls.value_and_grad)"
-TIMING_VARIANTS = {NOT_MEASURING: None, "measuring every 16 steps": 16, "measuring every step": 1}
+# Measuring every 16 steps either inside the step (a lax.cond on good_steps)
+# or by calling a second jitted step, which measures every time, on every
+# 16th step from Python: no conditional in the plain step.
+IN_PYTHON = "python"
+TIMING_VARIANTS = {
+    NOT_MEASURING: None,
+    "measuring every 16 steps (lax.cond in the step)": 16,
+    "measuring every 16th step, chosen in Python": IN_PYTHON,
+    "measuring every step": 1,
+}
 # examples/nnx_lm.py's flags for --timing --quick: a tiny transformer.
 TINY_LM = ("--dim", "16", "--heads", "2", "--layers", "1", "--seq-len", "16", "--batch-size", "4", "--vocab", "256",
            "--max-bytes", "200000", "--val-batches", "1")  # fmt: skip
@@ -561,21 +572,27 @@ def timing_results(rounds: int, warmup: int, block: int, quick: bool) -> dict[st
 
     carried, compiled, compile_s = {}, {}, {}
     for name, every in TIMING_VARIANTS.items():
-        tx, step = make_step(every)
+        # The Python-chosen variant: the plain step and one that measures every time.
+        steps = [make_step(None), make_step(1)] if every == IN_PYTHON else [make_step(every)]
         params = jax.tree.map(jnp.copy, workload.params)
-        opt_state = tx.init(params)
-        compiled[name], times = timing.compile_timed(
-            step, (params, opt_state, batches[0]), donate_argnums=(0, 1),
-            compiler_options=timing.QUICK_COMPILER_OPTIONS if quick else None,
-        )  # fmt: skip
-        compile_s[name] = times.total_s
+        opt_state = steps[0][0].init(params)
+        compiled[name], compile_s[name] = [], 0.0
+        for _, step in steps:
+            fn, times = timing.compile_timed(
+                step, (params, opt_state, batches[0]), donate_argnums=(0, 1),
+                compiler_options=timing.QUICK_COMPILER_OPTIONS if quick else None,
+            )  # fmt: skip
+            compiled[name].append(fn)
+            compile_s[name] += times.total_s
         carried[name] = (params, opt_state)
     counter = {name: 0 for name in TIMING_VARIANTS}
 
     def call(name: str) -> None:
         params, opt_state = carried[name]
         for _ in range(block):
-            params, opt_state = compiled[name](params, opt_state, batches[counter[name] % len(batches)])
+            # One function, or the measuring one on every 16th step.
+            fn = compiled[name][1] if len(compiled[name]) > 1 and counter[name] % 16 == 0 else compiled[name][0]
+            params, opt_state = fn(params, opt_state, batches[counter[name] % len(batches)])
             counter[name] += 1
         carried[name] = jax.block_until_ready((params, opt_state))
 
@@ -621,7 +638,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", metavar="PATH", help="write the results (with per-step histories) to PATH")
     parser.add_argument(
         "--timing", action="store_true",
-        help="time the transformer's training step measuring every 16 steps and every step against not "
+        help="time the transformer's training step measuring every 16 steps (in the step or from Python) and every "
+        "step against not "
         "measuring, instead of training the workloads",
     )  # fmt: skip
     parser.add_argument("--rounds", type=int, default=None, help="--timing: timed rounds (default: 20; --quick: 2)")
