@@ -356,3 +356,21 @@ def test_every_rule_keeps_its_state_layout_so_scan_and_donation_work(name):
 
     _, scales = jax.lax.scan(step, (params, state), jnp.array([1.0, jnp.inf, 1.0]))
     assert scales.shape == (3,)
+
+
+@pytest.mark.parametrize("hysteresis", [1, 3])
+def test_counters_keep_their_dtypes_under_x64(hysteresis):
+    # With jax_enable_x64 a bare Python int becomes int64: every counter must
+    # still be built in its declared dtype, at init and after clean and
+    # overflowing steps, or the state's layout changes under x64.
+    with jax.enable_x64(True):
+        tx = ls.dynamic(optax.sgd(0.1), initial_scale=4.0, growth_interval=2, hysteresis=hysteresis)
+        params = jnp.zeros(2, jnp.float32)
+        state = tx.init(params)
+        layouts = [jax.tree.map(lambda x: x.dtype, state)]
+        for g in [1.0, jnp.inf, 1.0, 1.0]:
+            _, state = jax.jit(tx.update)(jnp.full(2, g, jnp.float32), state, params)
+            layouts.append(jax.tree.map(lambda x: x.dtype, state))
+        assert all(layout == layouts[0] for layout in layouts[1:]), layouts
+        assert state.counters.overflows_left.dtype == jnp.int32
+        assert state.good_steps.dtype == jnp.int32 and state.scale.dtype == jnp.float32
