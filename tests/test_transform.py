@@ -532,3 +532,19 @@ def test_a_missing_attribute_says_how_to_reach_the_inner_state():
     state = ls.dynamic(optax.chain(optax.clip(1.0), optax.adam(1e-3))).init({"w": jnp.zeros(2)})
     with pytest.raises(AttributeError, match=r"nor has its inner_state \(a tuple\).*find_state"):
         _ = state.hyperparams
+
+
+def test_an_inner_update_that_changes_its_state_structure_is_refused_by_name():
+    # A skipped step returns the old inner state, so the inner update must
+    # keep its structure; one that adds a leaf is refused with a message
+    # that says so (not a bare lax.cond type error).
+    def init(params):
+        return {"count": jnp.zeros((), jnp.int32)}
+
+    def update(updates, state, params=None):
+        return updates, {"count": state["count"] + 1, "extra": jnp.zeros(())}
+
+    tx = ls.dynamic(optax.GradientTransformation(init, update))
+    state = tx.init(jnp.zeros(2))
+    with pytest.raises(TypeError, match=r"the inner optimizer's update changes the structure of its state \(.*\)"):
+        tx.update(jnp.ones(2), state)
