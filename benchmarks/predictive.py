@@ -700,4 +700,5 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
+    timing.fresh_compiles()
     main()

@@ -5,10 +5,13 @@ numbers mean nothing here; the scripts measure when run for real)."""
 import importlib.util
 import json
 import math
+import os
+import subprocess
+import sys
 
 import pytest
 
-from benchmarks._harness import peers, tables, timing
+from benchmarks._harness import peers, provenance, tables, timing
 from tests._scripts import ROOT, load_script
 
 BENCH = ROOT / "benchmarks"
@@ -112,6 +115,32 @@ def test_compile_time_quick_times_every_variant_against_bare(capsys):
     assert list(printed[0]) == list(compile_time.HEADERS)
     assert [r["variant"] for r in printed[:6]] == [label for label, _ in compile_time.VARIANTS.values()]
     assert printed[0]["compile ×bare"] == printed[0]["trace+lower ×bare"] == "1.00x"
+
+
+def test_the_timing_scripts_compile_afresh_where_a_persistent_cache_is_configured(tmp_path):
+    """A user's ``JAX_COMPILATION_CACHE_DIR`` would turn timed compiles into
+    file reads. Run as scripts, the timing benchmarks turn the cache off: the
+    compile-time benchmark writes nothing there and its header mentions no
+    cache. A header does name the cache where a process uses one."""
+    for script in ("compile_time", "overhead", "predictive"):
+        source = (ROOT / "benchmarks" / f"{script}.py").read_text()
+        assert 'if __name__ == "__main__":\n    timing.fresh_compiles()\n    main()' in source, script
+    cache = tmp_path / "xla-cache"
+    env = dict(
+        os.environ,
+        JAX_COMPILATION_CACHE_DIR=str(cache),
+        JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
+        JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
+    )
+    argv = ["--quick", "--leaves", "2", "--optimizers", "sgd", "--variants", "ls", "--repeats", "1"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "compile_time.py"), *argv],
+        env=env, capture_output=True, text=True, check=True, timeout=300,
+    )  # fmt: skip
+    assert "ls.dynamic" in result.stdout and "persistent compilation cache" not in result.stdout
+    assert not cache.exists() or not any(cache.iterdir())
+    environment = {**provenance.environment("benchmarks/compile_time.py", []), "compilation_cache": str(cache)}
+    assert f"persistent compilation cache {cache}: compile times may be cache hits" in provenance.header(environment)
 
 
 def test_predictive_benchmark_quick_trains_every_rule(capsys):

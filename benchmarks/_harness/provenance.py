@@ -20,7 +20,7 @@ import optax
 
 import loss_scale as ls
 
-from .timing import MALLOC_ENV_VARS
+from .timing import MALLOC_ENV_VARS, persistent_cache_dir
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]  # the repository
 # Distributions whose versions the header reports when they are installed.
@@ -98,6 +98,7 @@ def environment(script: str, argv: Sequence[str] | None = None) -> dict[str, Any
         "processor": platform.processor(),
         "malloc_env": {k: os.environ[k] for k in MALLOC_ENV_VARS if k in os.environ},
         "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "compilation_cache": persistent_cache_dir(),
     }
 
 
@@ -109,6 +110,11 @@ def header(env: dict[str, Any]) -> str:
         f"{env['date']} | `{env['command']}` | backend {env['backend']} | device {env['device']} "
         f"({env['device_kind']}) | CPUs {env['usable_cpus']}/{env['cpu_count']} | malloc: {malloc}"
         + (f" | XLA_FLAGS={env['xla_flags']}" if env["xla_flags"] else "")
+        + (
+            f" | persistent compilation cache {env['compilation_cache']}: compile times may be cache hits"
+            if env.get("compilation_cache")
+            else ""
+        )
         + f"\njax {env['jax']} | optax {env['optax']}{peers} | loss_scale {env['loss_scale']}"
         + (f" | git {env['git']}" if env["git"] else "")
         + f" | python {env['python']}"

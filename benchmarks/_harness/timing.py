@@ -50,6 +50,26 @@ QUICK_COMPILER_OPTIONS = {
 # ---------------------------------------------------------------------------
 
 
+def fresh_compiles() -> None:
+    """Turns JAX's persistent compilation cache off in this process.
+
+    With ``JAX_COMPILATION_CACHE_DIR`` set (or ``jax_compilation_cache_dir``
+    configured), XLA would serve executables that an earlier run left on
+    disk, and a timed compile would be a file read. The scripts call this
+    before their first compile: JAX decides once per process whether the
+    cache is used.
+    """
+    jax.config.update("jax_enable_compilation_cache", False)
+
+
+def persistent_cache_dir() -> str | None:
+    """The persistent compilation cache's directory if this process uses one
+    (then compile times may be cache hits), else ``None``."""
+    if not jax.config.jax_enable_compilation_cache:
+        return None
+    return jax.config.jax_compilation_cache_dir or None
+
+
 @dataclasses.dataclass(frozen=True)
 class CompileTimes:
     """Seconds spent tracing to a jaxpr, lowering to StableHLO, and in XLA."""
