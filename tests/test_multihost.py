@@ -25,7 +25,9 @@ def free_port() -> int:
 
 def test_two_processes_skip_the_same_steps(tmp_path):
     port = free_port()
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}  # one CPU device per process
+    # One CPU device per process; no shared compilation cache (the two
+    # processes compile the same programs at the same time).
+    env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR")}
     env["PYTHONPATH"] = str(WORKER.parents[1]) + os.pathsep + env.get("PYTHONPATH", "")
     outs = [tmp_path / f"p{i}.json" for i in range(2)]
     procs = [
