@@ -50,6 +50,14 @@ def peak_and_finite(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax
     return peak, finite
 
 
+def largest_magnitude(x: jax.Array) -> jax.Array:
+    """``max|x|`` over all of a floating ``x`` as a float32 scalar: ``inf``
+    when an element is not finite, 0 when ``x`` is empty. One
+    ``peak_and_finite`` reduction, so NaN is never left to a float ``max``."""
+    peak, finite = peak_and_finite(x.reshape(1, -1), (1,))
+    return jnp.where(finite[0], peak[0].astype(jnp.float32), jnp.inf)
+
+
 def _max_and_all(a, b):
     # A module-level function, so that op-by-op calls reuse its compilation.
     return jnp.maximum(a[0], b[0]), jnp.logical_and(a[1], b[1])

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from loss_scale import _validate as validate
+from loss_scale._check import largest_magnitude
 from loss_scale._grad import data_parallel_objective, find_state, named_after
 from loss_scale._probe import Evaluator
 from loss_scale._sharding import axis_names, vary_along, varying_axes
@@ -180,14 +181,6 @@ def _grad_and_peak(
     grads = tuple(jax.tree.unflatten(tree, at_leaves))
     if isinstance(argnums, int):
         (grads,) = grads
-    peaks = [_largest(ct) for ct in [*at_probes, *at_leaves] if ct.dtype == dtype]
+    peaks = [largest_magnitude(ct) for ct in [*at_probes, *at_leaves] if ct.dtype == dtype]
     peak = functools.reduce(jnp.maximum, peaks, jnp.zeros((), jnp.float32))
     return grads, out, peak
-
-
-def _largest(x: jax.Array) -> jax.Array:
-    """``max |x|`` as float32, inf if any element is not finite (NaN is
-    mapped to inf first: a reduction's NaN behaviour is not a contract), 0
-    for an empty array."""
-    magnitude = jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.inf)
-    return jnp.max(magnitude, initial=0).astype(jnp.float32)

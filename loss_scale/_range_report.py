@@ -24,7 +24,7 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
-from loss_scale._check import peak_and_finite
+from loss_scale._check import largest_magnitude, peak_and_finite
 from loss_scale._probe import Evaluator, is_probed
 from loss_scale._types import PyTree
 from loss_scale._unscale import compute_dtype as _at_least_float32
@@ -234,7 +234,7 @@ def range_report(
             arrays[a][j] = value
         evaluator = Evaluator(probes)
         (loss,) = evaluator.run(closed.jaxpr, closed.consts, jax.tree.leaves(arrays))
-        forward = [peak_and_finite(jax.lax.stop_gradient(x).reshape(1, -1), (1,)) for x in evaluator.values]
+        forward = [largest_magnitude(jax.lax.stop_gradient(x)) for x in evaluator.values]
         return loss.astype(_at_least_float32(loss.dtype)) * s, forward
 
     @jax.jit
@@ -257,8 +257,7 @@ def range_report(
                     finite[0],
                 )
             )
-        peaks = [peak_and_finite(x.reshape(1, -1), (1,)) for x in diff] + forward
-        return stats, [jnp.where(f[0], p[0].astype(jnp.float32), jnp.inf) for p, f in peaks]
+        return stats, [largest_magnitude(x) for x in diff] + forward
 
     def run(s: float):
         stats, forward = jax.device_get(backward(in_leaves, jnp.float32(s)))

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import loss_scale as ls
-from loss_scale._peak import _largest
+from loss_scale._check import largest_magnitude
 from loss_scale._rules.predictive import PredictiveRule
 from tests._scripts import ROOT, load_script
 
@@ -142,9 +142,9 @@ def test_the_peak_counts_only_the_compute_dtype_and_the_gradients_of_that_dtype(
 def test_non_finite_cotangents_give_inf_even_where_max_drops_nan():
     # XLA:CPU's max over 4096+ float32 elements drops NaN (DESIGN.md's trap).
     x = jnp.ones(8192, F16).at[100].set(jnp.nan)
-    assert float(_largest(x)) == math.inf
-    assert float(_largest(jnp.zeros((0, 3), F16))) == 0.0
-    assert float(_largest(jnp.array([-3.0, 2.0], F16))) == 3.0
+    assert float(largest_magnitude(x)) == math.inf
+    assert float(largest_magnitude(jnp.zeros((0, 3), F16))) == 0.0
+    assert float(largest_magnitude(jnp.array([-3.0, 2.0], F16))) == 3.0
 
 
 @pytest.mark.parametrize("every", [1, 4, 16])

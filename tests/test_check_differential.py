@@ -17,7 +17,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import loss_scale as ls
-from loss_scale._check import gradient_stats
+from loss_scale._check import gradient_stats, largest_magnitude
 
 SIZES = [1, 3, 4095, 4096, 4097, 8192, 65537, 2**20 + 7]
 REAL = ["float16", "bfloat16", "float32", "float64", "float8_e5m2", "float8_e4m3fn"]
@@ -118,6 +118,24 @@ def test_update_skips_exactly_when_numpy_finds_a_non_finite_value(size, dtype, m
                 assert bool(jnp.all(jnp.isfinite(updates["x"]))), (dtype, size, kind, index, mode)
                 if not skipped:
                     np.testing.assert_array_equal(np.asarray(updates["x"], np.float64), -0.5)
+
+
+@pytest.mark.parametrize("size", [1, 4097, 8192, 2**20 + 7])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_largest_magnitude_equals_numpy(size, dtype):
+    # What value_grad_and_peak and range_report read a cotangent's peak with:
+    # max|x| in float32, inf as soon as one element is not finite.
+    with jax.enable_x64(dtype in X64):
+        dt = np_dtype(dtype)
+        largest = jax.jit(largest_magnitude)
+        x = np.random.default_rng(size).normal(size=size).astype(dt)
+        assert float(largest(jnp.asarray(x))) == float(np.float32(np.max(np.abs(x))))  # rounded to float32
+        for kind in KINDS:
+            for index in positions(size):
+                poisoned = x.copy()
+                poisoned[index] = kind
+                assert float(largest(jnp.asarray(poisoned))) == np.inf, (dtype, size, kind, index)
+        assert float(largest(jnp.zeros((0,), dt))) == 0.0
 
 
 def numpy_unscale(x, scale):
