@@ -525,20 +525,33 @@ def mesh():
     return jax.make_mesh((N,), ("data",), devices=jax.devices()[:N])
 
 
+def data_parallel(mesh, outputs: int, check_vma: bool):
+    """``jax.jit`` of ``shard_map`` over ``staged_data``'s arguments
+    ``(state, params, x, y, c, k)``: the batch ``x, y`` split along "data",
+    the rest replicated; ``outputs`` per-device results."""
+    return lambda step: jax.jit(
+        jax.shard_map(
+            step,
+            mesh=mesh,
+            in_specs=(P(), P(), P("data"), P("data"), P(), P()),
+            out_specs=(P("data"),) * outputs,
+            check_vma=check_vma,
+        )
+    )
+
+
+def split_batch(mesh, x, y):
+    sharding = NamedSharding(mesh, P("data"))
+    return jax.device_put(x, sharding), jax.device_put(y, sharding)
+
+
 @pytest.mark.parametrize("check_vma", [True, False])
 def test_replicas_agree_on_the_peak_and_the_scale(mesh, check_vma):
     params, x, y, c, k = staged_data(n=4 * N)
     tx = ls.predictive(optax.sgd(0.1), initial_scale=1.0, axis_name="data")
     state = tx.init(params)
 
-    @jax.jit
-    @functools.partial(
-        jax.shard_map,
-        mesh=mesh,
-        in_specs=(P(), P(), P("data"), P("data"), P(), P()),
-        out_specs=(P("data"), P("data"), P("data")),
-        check_vma=check_vma,
-    )
+    @data_parallel(mesh, outputs=3, check_vma=check_vma)
     def step(state, params, x, y, c, k):
         _, grads, peak = ls.value_grad_and_peak(staged_loss, axis_name="data")(state, params, x, y, c, k)
         _, grads_plain = ls.value_and_grad(staged_loss, axis_name="data")(state, params, x, y, c, k)
@@ -550,8 +563,7 @@ def test_replicas_agree_on_the_peak_and_the_scale(mesh, check_vma):
         )
         return peak[None], new_state.scale[None], same[None]
 
-    sharding = NamedSharding(mesh, P("data"))
-    peaks, scales, same = step(state, params, jax.device_put(x, sharding), jax.device_put(y, sharding), c, k)
+    peaks, scales, same = step(state, params, *split_batch(mesh, x, y), c, k)
     assert len(set(np.asarray(peaks).tolist())) == 1 and len(set(np.asarray(scales).tolist())) == 1
     assert np.asarray(same).all()
     if check_vma:
@@ -569,14 +581,7 @@ def test_the_transformation_takes_the_largest_peak_over_its_axis(mesh):
     tx = ls.predictive(optax.sgd(0.1), initial_scale=1.0, axis_name="data")
     state = tx.init(params)
 
-    @jax.jit
-    @functools.partial(
-        jax.shard_map,
-        mesh=mesh,
-        in_specs=(P(), P(), P("data"), P("data"), P(), P()),
-        out_specs=(P("data"), P("data")),
-        check_vma=False,
-    )
+    @data_parallel(mesh, outputs=2, check_vma=False)
     def step(state, params, x, y, c, k):
         _, grads = ls.value_and_grad(staged_loss, axis_name="data")(state, params, x, y, c, k)
         # A different peak on every replica.
@@ -584,6 +589,5 @@ def test_the_transformation_takes_the_largest_peak_over_its_axis(mesh):
         _, new_state = tx.update(grads, state, params, backward_peak=peak)
         return new_state.scale[None], new_state.headroom[None]
 
-    sharding = NamedSharding(mesh, P("data"))
-    scales, headrooms = step(state, params, jax.device_put(x, sharding), jax.device_put(y, sharding), c, k)
+    scales, headrooms = step(state, params, *split_batch(mesh, x, y), c, k)
     assert len(set(np.asarray(scales).tolist())) == 1 and len(set(np.asarray(headrooms).tolist())) == 1
