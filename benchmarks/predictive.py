@@ -532,10 +532,11 @@ NOT_MEASURING = "not measuring (ls.value_and_grad)"
 # or by calling a second jitted step, which measures every time, on every
 # 16th step from Python: no conditional in the plain step.
 IN_PYTHON = "python"
+MEASURE_EVERY = 16
 TIMING_VARIANTS = {
     NOT_MEASURING: None,
-    "measuring every 16 steps (lax.cond in the step)": 16,
-    "measuring every 16th step, chosen in Python": IN_PYTHON,
+    f"measuring every {MEASURE_EVERY} steps (lax.cond in the step)": MEASURE_EVERY,
+    f"measuring every {MEASURE_EVERY}th step, chosen in Python": IN_PYTHON,
     "measuring every step": 1,
 }
 # examples/nnx_lm.py's flags for --timing --quick: a tiny transformer.
@@ -590,8 +591,9 @@ def timing_results(rounds: int, warmup: int, block: int, quick: bool) -> dict[st
     def call(name: str) -> None:
         params, opt_state = carried[name]
         for _ in range(block):
-            # One function, or the measuring one on every 16th step.
-            fn = compiled[name][1] if len(compiled[name]) > 1 and counter[name] % 16 == 0 else compiled[name][0]
+            # One function, or the measuring one on every MEASURE_EVERY-th step.
+            measure = len(compiled[name]) > 1 and counter[name] % MEASURE_EVERY == 0
+            fn = compiled[name][1] if measure else compiled[name][0]
             params, opt_state = fn(params, opt_state, batches[counter[name] % len(batches)])
             counter[name] += 1
         carried[name] = jax.block_until_ready((params, opt_state))
