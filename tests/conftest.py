@@ -33,8 +33,14 @@ import pytest  # noqa: E402
 collect_ignore = ["data"]
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
-if _CACHE_ROOT in os.environ:  # in case jax was imported before this file
+if _CACHE_ROOT in os.environ:  # in case jax was imported, and read its environment, before this file
     jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+    jax.config.update(
+        "jax_persistent_cache_min_compile_time_secs", float(os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"])
+    )
+    jax.config.update(
+        "jax_persistent_cache_min_entry_size_bytes", int(os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"])
+    )
 
 
 @pytest.fixture(params=["eager", "jit"])
