@@ -2,11 +2,19 @@
 ``loss_scale.flax.Optimizer``) against flax's own over real float16 training
 with overflows.
 
-From the same state, one step of each gives the same optimizer state and
-step bit for bit, and params within one float32 rounding: the fused step
-adds the update to a param inside one kernel, where XLA:CPU contracts
-``p + (-lr * m)`` into a fused multiply-add (one rounding), while flax's
-rounds the materialized update first. A skipped step is bit for bit."""
+From the same state and the same gradients, one step of each gives the
+same optimizer state and step bit for bit, and params within one float32
+rounding: the fused step adds the update to a param inside one kernel, where
+XLA:CPU contracts ``p + (-lr * m)`` into a fused multiply-add (one rounding),
+while flax's rounds the materialized update first. A skipped step is bit for
+bit.
+
+The float16 gradients are computed once per step, by one compiled program,
+and given to both: the forward and backward passes inside two differently
+built programs may round differently (XLA fuses each program's float16 ops
+its own way, and a CPU with float16 arithmetic contracts a multiply and an
+add into one rounding where they share a kernel), which would make the
+optimizer states differ for reasons that are not the optimizer step's."""
 
 import jax
 import jax.numpy as jnp
@@ -71,12 +79,11 @@ def test_linen_train_state_is_flax_train_state_fused(inner):
         logits = model.apply({"params": params}, x)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
-    def make_step():
-        def step(state, x, y):
-            _, grads = ls.value_and_grad(loss_fn)(state.opt_state, state.params, x, y)
-            return state.apply_gradients(grads=grads)
+    # The gradients of both steps, from one program (see the module docstring).
+    grads_of = jax.jit(lambda opt_state, params, x, y: ls.value_and_grad(loss_fn)(opt_state, params, x, y)[1])
 
-        return jax.jit(step)
+    def make_step():
+        return jax.jit(lambda state, grads: state.apply_gradients(grads=grads))
 
     # One jitted function per class: jaxlib's treedef equality ignores which
     # dataclass a node is (the two states' treedefs compare equal, their
@@ -87,8 +94,9 @@ def test_linen_train_state_is_flax_train_state_fused(inner):
     for i, (x, y) in enumerate(batches(12, poisoned)):
         # Both from the same state (ours), so that one step is compared at a time.
         before = ours.params
-        theirs = step_theirs(theirs.replace(params=ours.params, opt_state=ours.opt_state, step=ours.step), x, y)
-        ours = step_ours(ours, x, y)
+        grads = grads_of(ours.opt_state, ours.params, x, y)
+        theirs = step_theirs(theirs.replace(params=ours.params, opt_state=ours.opt_state, step=ours.step), grads)
+        ours = step_ours(ours, grads)
         assert type(ours) is lsf.TrainState and type(theirs) is train_state.TrainState
         assert_bitwise((ours.opt_state, ours.step), (theirs.opt_state, theirs.step))
         if i in poisoned:
@@ -119,9 +127,14 @@ def test_nnx_optimizer_is_nnx_optimizer_fused(inner):
     def loss_fn(model, x, y):
         return optax.softmax_cross_entropy_with_integer_labels(model(x), y).mean()
 
+    # The gradients of both steps from one program (see the module docstring):
+    # the optimizers' states have one structure, so both calls share one trace.
     @nnx.jit
-    def step(model, optimizer, x, y):
-        _, grads = lsf.nnx_value_and_grad(loss_fn)(optimizer, model, x, y)
+    def grads_of(model, opt_state, x, y):
+        return lsf.nnx_value_and_grad(loss_fn)(opt_state, model, x, y)[1]
+
+    @nnx.jit
+    def step(model, optimizer, grads):
         optimizer.update(model, grads)
 
     poisoned = {2, 3, 8}
@@ -135,8 +148,10 @@ def test_nnx_optimizer_is_nnx_optimizer_fused(inner):
         nnx.update(their_model, nnx.state(model))
         nnx.update(theirs, nnx.state(optimizer))
         before = nnx.as_pure(nnx.state(model, nnx.Param))
-        step(model, optimizer, x, y)
-        step(their_model, theirs, x, y)
+        grads = grads_of(model, optimizer.opt_state, x, y)
+        assert_bitwise(nnx.as_pure(grads), nnx.as_pure(grads_of(their_model, theirs.opt_state, x, y)))
+        step(model, optimizer, grads)
+        step(their_model, theirs, grads)
         assert_bitwise(nnx.as_pure((optimizer.opt_state, optimizer.step)), nnx.as_pure((theirs.opt_state, theirs.step)))
         assert_bitwise(
             nnx.as_pure(nnx.state(model, nnx.Not(nnx.Param))), nnx.as_pure(nnx.state(their_model, nnx.Not(nnx.Param)))
