@@ -3,8 +3,10 @@ largest value of the whole backward pass.
 
 The measurement reuses ``range_report``'s zero probes (``_probe.py``): the
 loss function's jaxpr is evaluated with a zero added to every floating value
-an equation produces, and one backward pass differentiates with respect to
-the parameters and the probes together. The gradient with respect to a probe
+on a path from the differentiated arguments to the loss (the values whose
+cotangent ``jax.grad`` forms; data-only values are evaluated plainly), and
+one backward pass differentiates with respect to the parameters and the
+probes together. The gradient with respect to a probe
 is exactly the cotangent that reaches its value, in the value's dtype; the
 largest magnitude over the cotangents of the compute dtype is the backward
 peak. A ``jax.lax.cond`` on the step count chooses between that evaluation
@@ -24,7 +26,7 @@ import jax.numpy as jnp
 from loss_scale import _validate as validate
 from loss_scale._check import largest_magnitude
 from loss_scale._grad import data_parallel_objective, find_state, named_after
-from loss_scale._probe import Evaluator
+from loss_scale._probe import Evaluator, on_paths
 from loss_scale._sharding import axis_names, vary_along, varying_axes
 from loss_scale._types import AxisName, PyTree
 
@@ -59,13 +61,16 @@ def value_grad_and_peak(
     cost what ``value_and_grad`` costs (one ``jax.lax.cond`` picks the
     evaluation; under ``vmap`` both run). A measuring step evaluates the loss
     function equation by equation with a zero added to every floating
-    intermediate (as ``range_report`` does) and reduces each intermediate's
-    cotangent to its largest magnitude: one backward pass, plus a read of
-    every cotangent. Jitted functions and ``jax.checkpoint`` are evaluated
+    intermediate whose cotangent ``jax.grad`` forms (one that depends on the
+    differentiated arguments and reaches the loss, not only the aux output;
+    data, ``stop_gradient``'ed values and a ``while_loop`` or
+    ``pure_callback`` on data are evaluated as ``jax.grad`` evaluates them),
+    as ``range_report`` does, and reduces each such cotangent to its largest
+    magnitude: one backward pass, plus a read of every cotangent. Jitted functions and ``jax.checkpoint`` are evaluated
     inside (a checkpointed function's activations are then kept on measuring
     steps); ``custom_jvp``/``custom_vjp`` functions and control flow
-    (``scan``, ``while_loop``, ``cond``) are seen only at their outputs, so a
-    peak inside them is missed: the rule then learns the rest from an
+    (``scan``, ``while_loop``, ``cond``) are bound whole: only their outputs
+    on such a path are measured, so a peak inside them is missed: the rule then learns the rest from an
     overflow, as without a measurement.
 
     With measured peaks, start ``predictive`` at a scale that cannot overflow
@@ -89,9 +94,11 @@ def value_grad_and_peak(
     Returns:
       A function ``(opt_state, *args, **kwargs) -> (value, grads,
       backward_peak)``: ``value`` and ``grads`` as ``value_and_grad``
-      gives them (``fun``'s own output; gradients of ``loss * scale``; the
-      same bits as ``jax.jit(value_and_grad(...))``'s on every step, since
-      the ``lax.cond`` compiles the evaluation even when called eagerly),
+      gives them (``fun``'s own output; gradients of ``loss * scale``;
+      compiled inside the ``lax.cond`` even when called eagerly, a program
+      of its own: equal to ``jax.jit(value_and_grad(...))``'s within
+      rounding, and bit for bit only where XLA computes both alike, which a
+      CPU with AVX512-FP16 need not for float16),
       and ``backward_peak`` a float32 scalar, 0 on a step that does not
       measure.
 
@@ -169,12 +176,13 @@ def _grad_and_peak(
 
     closed, out_shapes = jax.make_jaxpr(of_leaves, return_shape=True)(leaves)
     out_tree = jax.tree.structure(out_shapes)
-    discover = Evaluator(None)
-    jax.eval_shape(lambda leaves: discover.run(closed.jaxpr, closed.consts, leaves), leaves)
-    probes = [vary_along(jnp.zeros(s.shape, s.dtype), s.varying) for s in discover.sites]
+    # The scaled loss is the first output; only the values jax.grad forms a
+    # cotangent for (on a path from the leaves to it) are probed.
+    paths = on_paths(closed, leaves, [True] * len(leaves), loss=0)
+    probes = [vary_along(jnp.zeros(s.shape, s.dtype), s.varying) for s in paths.sites]
 
     def probed(probes, leaves):
-        flat = Evaluator(probes).run(closed.jaxpr, closed.consts, leaves)
+        flat = Evaluator(probes, paths.probed).run(closed.jaxpr, closed.consts, leaves)
         return jax.tree.unflatten(out_tree, flat)
 
     (at_probes, at_leaves), out = jax.grad(probed, argnums=(0, 1), has_aux=True)(probes, leaves)

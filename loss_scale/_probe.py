@@ -1,13 +1,24 @@
 """Evaluating a jaxpr equation by equation with a zero "probe" added to
-every floating value an equation produces (``v + p``, ``p`` all zeros of
+floating values the equations produce (``v + p``, ``p`` all zeros of
 ``v``'s shape and dtype): the forward pass is unchanged, and the gradient
 with respect to ``p`` is exactly the cotangent that reaches ``v`` in the
-backward pass, in ``v``'s dtype. ``range_report`` builds on it.
+backward pass, in ``v``'s dtype. ``range_report`` and
+``value_grad_and_peak`` build on it.
+
+Only the values whose cotangent ``jax.grad`` itself forms are probed
+(``on_paths``): those on a path from the differentiated arguments to the
+loss. A value that does not depend on the differentiated arguments under
+JAX's own JVP rules (data, the output of ``stop_gradient``, ``floor`` or
+``sign``, a data-only carry of a ``scan``) or that does not reach the loss
+(one only the auxiliary output reads) is evaluated plainly: a probe there
+would make differentiable what ``jax.grad`` never differentiates (a
+``while_loop`` or ``pure_callback`` on data would then fail), and report a
+"cotangent" the backward pass never has.
 
 Calls of jitted functions and ``jax.checkpoint`` are evaluated inside
 (their equations are probed one by one); ``custom_jvp``/``custom_vjp``
 functions and control flow (``scan``, ``while_loop``, ``cond``) are bound
-whole and their outputs probed.
+whole and their outputs probed, so a value inside them is not seen.
 """
 
 from __future__ import annotations
@@ -20,7 +31,7 @@ import jax
 import jax.extend
 import jax.numpy as jnp
 
-from loss_scale._sharding import varying_axes
+from loss_scale._sharding import vary_along, varying_axes
 
 # Equations whose inner jaxpr is evaluated in place (their equations get rows).
 _INLINED = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
@@ -68,24 +79,50 @@ def _bind(eqn: Any, invals: list) -> Any:
         return eqn.primitive.bind(*subfuns, *invals, **params)
 
 
-class Evaluator:
-    """Evaluates a jaxpr equation by equation, adding the next probe to each
-    floating output; with ``probes=None`` records the sites instead."""
+_NO_TRACE = object()
 
-    def __init__(self, probes: list | None):
+
+def _trace_of(x: Any) -> Any:
+    """The JAX trace a tracer belongs to (``Tracer._trace``, the same from
+    jax 0.4.36 to 0.10 at least); ``_NO_TRACE`` for a non-tracer."""
+    return getattr(x, "_trace", _NO_TRACE)
+
+
+class Evaluator:
+    """Evaluates a jaxpr equation by equation. Every floating value an
+    equation produces is a candidate site (``sites``, in evaluation order);
+    ``probes[i]`` is added to the ``i``-th candidate for which ``probed`` is
+    true (every candidate when ``probed`` is None; none when ``probes`` is
+    None). With ``trace``, a candidate is probed only when it is a tracer of
+    that trace (its tangent under it is not symbolically zero), and
+    ``dependent`` records which were."""
+
+    def __init__(self, probes: Sequence[Any] | None = None, probed: Sequence[bool] | None = None, trace: Any = None):
         self.probes = probes
+        self.probed = probed
+        self.trace = trace
         self.sites: list[Site] = []
-        self.values: list[jax.Array] = []
+        self.dependent: list[bool] = []
+        self.values: list[jax.Array] = []  # the probed values, probe added
         self.inlined: set[str] = set()
         self.whole: set[str] = set()
+        self._used = 0
 
     def probe(self, x: Any, where: str, primitive: str) -> Any:
         if not is_probed(x):
             return x
         index = len(self.sites)
         self.sites.append(Site(where, primitive, tuple(x.shape), x.dtype, varying_axes(jax.typeof(x))))
+        if self.trace is not None:
+            dependent = _trace_of(x) is self.trace
+            self.dependent.append(dependent)
+            if not dependent:
+                return x
+        if self.probed is not None and not self.probed[index]:
+            return x
         if self.probes is not None:
-            x = x + self.probes[index]
+            x = x + self.probes[index if self.probed is None else self._used]
+            self._used += 1
         self.values.append(x)
         return x
 
@@ -124,3 +161,76 @@ class Evaluator:
                 if type(v).__name__ != "DropVar":  # an output nobody reads
                     env[v] = x
         return [read(v) for v in jaxpr.outvars]
+
+
+class Paths(NamedTuple):
+    """What ``on_paths`` found: every candidate site, which of them are on a
+    path from the differentiated inputs to the loss (``probed``), and the
+    equations evaluated inside and kept whole."""
+
+    candidates: list[Site]
+    probed: list[bool]
+    inlined: set[str]
+    whole: set[str]
+
+    @property
+    def sites(self) -> list[Site]:
+        return [s for s, p in zip(self.candidates, self.probed, strict=True) if p]
+
+
+def on_paths(closed: Any, leaves: Sequence[Any], differentiated: Sequence[bool], loss: int = 0) -> Paths:
+    """Which floating values of ``closed`` (a ``ClosedJaxpr`` of
+    ``leaves``) have a cotangent in ``jax.grad`` of its output ``loss``
+    with respect to the leaves where ``differentiated`` is true.
+
+    A value qualifies when (forward) its tangent under ``jax.linearize`` of
+    those leaves is not symbolically zero, i.e. it is a tracer of that
+    linearization's own trace (an outer ``jax.grad``, ``jvp`` or ``vmap``
+    of the caller has traces of its own), and (backward) the loss's tangent
+    depends on it: a probe added to it is an input that JAX's dead-code
+    elimination of the linear (tangent) program keeps, as the backward pass,
+    the transpose of that program, reads it. Abstract evaluation only."""
+    discover = Evaluator()
+    jax.eval_shape(lambda leaves: discover.run(closed.jaxpr, closed.consts, leaves), list(leaves))
+    candidates = discover.sites
+    positions = [i for i, (x, d) in enumerate(zip(leaves, differentiated, strict=True)) if d and is_probed(x)]
+    probed = [False] * len(candidates)
+    if positions and candidates:
+
+        def analyse(leaves):
+            def loss_of(diff, probes):
+                call = list(leaves)
+                for i, x in zip(positions, diff, strict=True):
+                    call[i] = x
+                evaluator = Evaluator(probes, trace=_trace_of(diff[0]))
+                out = evaluator.run(closed.jaxpr, closed.consts, call)[loss]
+                dependent[:] = evaluator.dependent
+                return out
+
+            diff = [leaves[i] for i in positions]
+            probes = [vary_along(jnp.zeros(s.shape, s.dtype), s.varying) for s in candidates]
+            _, linear = jax.linearize(loss_of, diff, probes)
+            used[:] = _used_inputs(jax.make_jaxpr(linear)(diff, probes))[len(diff) :]
+
+        dependent: list[bool] = []
+        used: list[bool] = []
+        jax.eval_shape(analyse, list(leaves))
+        probed = [d and u for d, u in zip(dependent, used, strict=True)]
+    return Paths(candidates, probed, discover.inlined, discover.whole)
+
+
+def _used_inputs(closed: Any) -> list[bool]:
+    """Which inputs of ``closed`` its outputs depend on, by JAX's own
+    dead-code elimination (it sees into ``scan``, ``cond`` and ``jit``
+    carry by carry). Were that private function to move, every input
+    counts as used: values the loss does not read would then get rows of
+    zero cotangent, which does not change a peak."""
+    n = len(closed.jaxpr.invars)
+    try:
+        from jax._src.interpreters import partial_eval as pe
+
+        jaxpr = pe.convert_constvars_jaxpr(closed.jaxpr)
+        _, used = pe.dce_jaxpr(jaxpr, [True] * len(jaxpr.outvars))
+        return list(used[len(closed.jaxpr.constvars) :])
+    except (ImportError, AttributeError, TypeError):  # pragma: no cover - a jax without it
+        return [True] * n

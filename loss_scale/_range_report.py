@@ -2,15 +2,19 @@
 and backward, at a given loss scale.
 
 How the backward values are seen: the loss function's jaxpr is evaluated
-equation by equation, and each floating value an equation produces gets a
-zero "probe" added to it (``v + p``, with ``p`` all zeros of ``v``'s shape
+equation by equation, and each floating value an equation produces whose
+cotangent ``jax.grad`` forms (one on a path from the differentiated
+arguments to the loss: not data, not a ``stop_gradient``'ed value, not one
+only the aux output reads) gets a zero "probe" added to it (``v + p``, with ``p`` all zeros of ``v``'s shape
 and dtype). The forward pass is unchanged, and the gradient with respect to
 ``p`` is exactly the cotangent that reaches ``v`` in the backward pass, in
 ``v``'s dtype: one ``jax.grad`` gives every intermediate's cotangent at once.
 Calls of jitted functions and ``jax.checkpoint`` are evaluated inside (their
 equations get rows); ``custom_jvp``/``custom_vjp`` functions and control
-flow (``scan``, ``while_loop``, ``cond``) are single rows, whose outputs are
-probed.
+flow (``scan``, ``while_loop``, ``cond``) are bound whole, and their outputs
+on such a path get a row each. Values off every such path are evaluated
+plainly, as ``jax.grad`` evaluates them (a ``while_loop`` or
+``pure_callback`` on data works).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from loss_scale._check import largest_magnitude, peak_and_finite
-from loss_scale._probe import Evaluator, is_probed
+from loss_scale._probe import Evaluator, is_probed, on_paths
 from loss_scale._types import PyTree
 from loss_scale._unscale import compute_dtype as _at_least_float32
 from loss_scale._validate import floating_dtype
@@ -72,7 +76,8 @@ class RangeReport(NamedTuple):
     offenders (least headroom) first.
 
     Attributes:
-      rows: one ``RangeRow`` per floating value, in forward order.
+      rows: one ``RangeRow`` per differentiated argument leaf and per
+        floating value on a path from them to the loss, in forward order.
       scale: the loss scale of the report's backward pass.
       max_safe_scale: the largest power of two at which no backward value
         overflows (``None`` when none up to ``2**-64`` is safe, e.g. when the
@@ -134,7 +139,9 @@ def range_report(
     """Runs ``fun(*args)`` forward and backward once at loss scale ``scale``
     and reports the range of every floating intermediate.
 
-    Each row is a value some operation produced (see ``RangeRow``): where it
+    Each row is a value some operation produced whose cotangent ``jax.grad``
+    forms, one that depends on the differentiated arguments and reaches the
+    loss (see ``RangeRow``): where it
     comes from, its forward ``max |x|``, the ``max |cotangent|`` that reaches
     it in the backward pass of ``fun(*args) * scale``, the fractions of that
     cotangent that are 0 and below the dtype's smallest normal, and whether
@@ -144,7 +151,9 @@ def range_report(
 
     Jitted functions and ``jax.checkpoint`` are looked into;
     ``custom_jvp``/``custom_vjp`` functions and ``scan``, ``while_loop`` and
-    ``cond`` are single rows (``report.notes`` says which were met).
+    ``cond`` are bound whole, a row for each of their outputs on a path to
+    the loss (``report.notes`` says which were met). It runs eagerly: called
+    under ``jit``, ``vmap`` or ``grad`` it raises a ``TypeError``.
 
     Args:
       fun: the loss function; returns a floating scalar (or ``(loss, aux)``
@@ -157,7 +166,9 @@ def range_report(
         run in that dtype.
       argnums: the arguments whose gradients get rows of their own
         (primitive ``argument``), as in ``jax.grad``.
-      has_aux: whether ``fun`` returns ``(loss, aux)``.
+      has_aux: whether ``fun`` returns ``(loss, aux)`` (a tuple or a list,
+        as ``jax.value_and_grad`` accepts); values only ``aux`` reads get no
+        row.
 
     Returns:
       A ``RangeReport``.
@@ -179,6 +190,11 @@ def range_report(
     if not (isinstance(scale, int | float) and not isinstance(scale, bool)) or not (0 < scale < math.inf):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     dtype = None if compute_dtype is None else floating_dtype("compute_dtype", compute_dtype)
+    if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
+        raise TypeError(
+            "range_report runs eagerly (it runs the backward pass at several scales and reads the results): "
+            "call it outside jax.jit, vmap and grad, on concrete arrays"
+        )
     argnums_t = (argnums,) if isinstance(argnums, int) else tuple(argnums)
     n = len(args)
     for a in argnums_t:
@@ -202,8 +218,8 @@ def range_report(
     def loss_of(arrays):
         out = fun(*rebuild(arrays))
         if has_aux:
-            if not (isinstance(out, tuple) and len(out) == 2):
-                raise TypeError("with has_aux=True, fun must return a (loss, aux) pair")
+            if not (isinstance(out, tuple | list) and len(out) == 2):  # as jax.value_and_grad accepts
+                raise TypeError("with has_aux=True, fun must return a (loss, aux) pair (a tuple or list of two)")
             out = out[0]
         out = jnp.asarray(out)
         if out.shape != () or not jnp.issubdtype(out.dtype, jnp.floating):
@@ -223,16 +239,21 @@ def range_report(
             if is_probed(leaves[i]):
                 arg_sites.append((a, positions.index(i), f"args[{a}]{paths[i]}"))
 
-    discover = Evaluator(None)
-    jax.eval_shape(lambda leaves: discover.run(closed.jaxpr, closed.consts, leaves), in_leaves)
-    sites = discover.sites
+    # Rows for the values jax.grad forms a cotangent for: those on a path
+    # from the differentiated arguments' leaves to the loss.
+    differentiated = [False] * len(in_leaves)
+    offsets = np.cumsum([0] + [len(positions) for _, positions, _ in flat])
+    for a, j, _ in arg_sites:
+        differentiated[offsets[a] + j] = True
+    paths = on_paths(closed, in_leaves, differentiated)
+    sites = paths.sites
     in_tree = jax.tree.structure(arrays)
 
     def scaled_loss(probes, diff, leaves, s):
         arrays = jax.tree.unflatten(in_tree, leaves)
         for (a, j, _), value in zip(arg_sites, diff, strict=True):
             arrays[a][j] = value
-        evaluator = Evaluator(probes)
+        evaluator = Evaluator(probes, paths.probed)
         (loss,) = evaluator.run(closed.jaxpr, closed.consts, jax.tree.leaves(arrays))
         forward = [largest_magnitude(jax.lax.stop_gradient(x)) for x in evaluator.values]
         return loss.astype(_at_least_float32(loss.dtype)) * s, forward
@@ -298,10 +319,10 @@ def range_report(
         )
     ]
     notes = []
-    if discover.inlined:
-        notes.append("looked into: " + ", ".join(sorted(discover.inlined)))
-    if discover.whole:
-        notes.append("kept whole (one row per output): " + ", ".join(sorted(discover.whole)))
+    if paths.inlined:
+        notes.append("looked into: " + ", ".join(sorted(paths.inlined)))
+    if paths.whole:
+        notes.append("kept whole (their outputs only): " + ", ".join(sorted(paths.whole)))
     return RangeReport(rows, float(scale), safe, "; ".join(notes))
 
 

@@ -33,6 +33,40 @@ F16_MAX = 65504.0
 F16 = jnp.float16
 DIMS = (((1,), (0,)), ((), ()))
 
+# Float16 comparisons across programs. On CPUs with AVX512-FP16 float16
+# arithmetic gives different bits eagerly and under jit, and across
+# differently fused programs (DESIGN.md's trap), so a measurement (one
+# program) is compared with the eager brute force or with ls.value_and_grad
+# (others) within float16 rounding, never bit for bit. The relative error of
+# staged_loss's peak (q's cotangent, kb = 256 times p's, exactly) is that of
+# p - y at the peak element, plus one rounding of the cotangent's cast: p ends
+# a chain of about 20 float16 roundings at worst (the dots' sums included,
+# 2**-11 each), and |p - y| there is larger than |p| (no cancellation):
+# k = 32 roundings. Losses (a square) and gradients (float16 sums over the
+# batch) get twice that. Each is far below the factor 2 of a wrong binade.
+PEAK_RTOL = 32 * 2.0**-11
+VALUE_RTOL = 64 * 2.0**-11
+
+
+def assert_peak(peak, expected):
+    """``peak`` (a measurement) is ``expected`` (the brute force, another
+    program) within PEAK_RTOL; an infinite peak exactly."""
+    peak = float(peak)
+    if math.isinf(expected):
+        assert peak == math.inf
+    else:
+        assert expected > 0 and abs(peak - expected) <= PEAK_RTOL * expected, (peak, expected)
+
+
+def assert_values_close(got, want, rtol=VALUE_RTOL):
+    """Leaf by leaf, within ``rtol`` of the leaf's largest magnitude
+    (elements much smaller than it carry the rounding of the large ones'
+    float16 sums)."""
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert g.shape == w.shape and g.dtype == w.dtype
+        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
+        np.testing.assert_allclose(g, w, rtol=0, atol=rtol * float(np.abs(w).max(initial=0.0)))
+
 
 # --- a float16 model written one primitive at a time --------------------------
 
@@ -121,7 +155,7 @@ def test_the_peak_is_the_largest_cotangent_of_any_float16_value(jit, scale):
     assert peak.dtype == jnp.float32 and peak.shape == ()
     if math.isfinite(expected):
         # The amplified q's cotangent, 256 times p's, is the largest.
-        assert float(peak) == expected > 0
+        assert_peak(peak, expected)
     else:  # 2**10: q's cotangent overflows float16
         assert scale == 2.0**10 and float(peak) == math.inf
 
@@ -136,7 +170,7 @@ def test_the_peak_counts_only_the_compute_dtype_and_the_gradients_of_that_dtype(
     # A float16 parameter's own gradient counts: here it is the largest.
     w = jnp.full((3,), 2.0, F16)
     _, grads, peak = ls.value_grad_and_peak(lambda w: jnp.sum(w * w).astype(jnp.float32))(state, w)
-    assert float(peak) == float(jnp.max(grads)) == 4.0
+    assert float(peak) == float(jnp.max(grads)) == 4.0  # 2 * w: exact in float16, in every program
 
 
 def test_non_finite_cotangents_give_inf_even_where_max_drops_nan():
@@ -155,20 +189,22 @@ def test_measures_on_steps_whose_good_steps_is_a_multiple_of_every(every):
     fn = jax.jit(ls.value_grad_and_peak(staged_loss, every=every))
     for good_steps in [0, 1, 3, 4, 5, 15, 16, 17, 32, 100]:
         _, _, peak = fn(state_at(tx, args[0], good_steps=good_steps), *args)
-        assert float(peak) == (expected if good_steps % every == 0 else 0.0), good_steps
+        if good_steps % every == 0:
+            assert_peak(peak, expected)
+        else:
+            assert float(peak) == 0.0, good_steps  # not measured: exactly 0
 
 
 @pytest.mark.parametrize("good_steps", [0, 1])  # measuring, not measuring
-def test_value_and_grads_are_bit_identical_to_value_and_grad(jit, good_steps):
-    # Jitted or not, the evaluation is compiled (inside a lax.cond): the
-    # same bits as ls.value_and_grad jitted (eager op-by-op reductions may
-    # round differently).
+def test_value_and_grads_are_value_and_grads(jit, good_steps):
+    # Jitted or not, the evaluation is compiled (inside a lax.cond), a
+    # program other than ls.value_and_grad's: equal within float16 rounding.
     args = staged_data()
     tx = ls.predictive(optax.sgd(0.1), initial_scale=4.0)
     state = state_at(tx, args[0], good_steps=good_steps)
     loss, grads, _ = jit(ls.value_grad_and_peak(staged_loss, every=2))(state, *args)
     want_loss, want_grads = jax.jit(ls.value_and_grad(staged_loss))(state, *args)
-    chex.assert_trees_all_equal((loss, grads), (want_loss, want_grads))
+    assert_values_close((loss, grads), (want_loss, want_grads))
 
 
 # --- the same arguments as value_and_grad ---------------------------------------
@@ -190,7 +226,8 @@ def test_argnums_has_aux_and_keywords_as_value_and_grad(jit, argnums, good_steps
     state = state_at(tx, params, good_steps=good_steps)
     got = jit(ls.value_grad_and_peak(mlp_loss, argnums=argnums, has_aux=True))(state, params, x, s, bias=0.5)
     want = jit(ls.value_and_grad(mlp_loss, argnums=argnums, has_aux=True))(state, params, x, s, bias=0.5)
-    chex.assert_trees_all_equal(got[:2], want)
+    chex.assert_trees_all_equal_structs(got[:2], want)
+    assert_values_close(got[:2], want)  # two programs (eager: one compiled, one op by op)
     assert (float(got[2]) > 0) == (good_steps == 0)
 
 
@@ -236,10 +273,12 @@ def test_vmap_over_states_and_params_measures_each_its_own_steps():
     for i in range(4):
         at = functools.partial(lambda i, tree: jax.tree.map(lambda leaf: leaf[i], tree), i)
         expected = brute_force_peak(at(params), *args[1:], float(scales[i]))[0] if i != 1 else 0.0
-        assert float(peaks[i]) == expected, i
+        if i == 1:
+            assert float(peaks[i]) == 0.0  # not measured: exactly 0
+        else:
+            assert_peak(peaks[i], expected)
         want_loss, want_grads = jax.jit(ls.value_and_grad(staged_loss))(at(states), at(params), *args[1:])
-        np.testing.assert_allclose(losses[i], want_loss, rtol=1e-6)
-        chex.assert_trees_all_close(at(grads), want_grads, rtol=1e-6)
+        assert_values_close((losses[i], at(grads)), (want_loss, want_grads))
 
 
 def test_jitted_and_checkpointed_functions_are_looked_into_control_flow_is_not():
@@ -251,13 +290,13 @@ def test_jitted_and_checkpointed_functions_are_looked_into_control_flow_is_not()
         return jax.jit(jax.checkpoint(staged_loss))(*a)
 
     _, _, peak = jax.jit(ls.value_grad_and_peak(inside_jit))(state, *args)
-    assert float(peak) == expected
+    assert_peak(peak, expected)
 
     def inside_scan(*a):  # a loop of one step: seen at its output only
         return lax.scan(lambda carry, _: (staged_loss(*a), None), jnp.float32(0), length=1)[0]
 
     _, grads, peak = jax.jit(ls.value_grad_and_peak(inside_scan))(state, *args)
-    chex.assert_trees_all_close(grads, jax.jit(ls.value_and_grad(staged_loss))(state, *args)[1], rtol=1e-6)
+    assert_values_close(grads, jax.jit(ls.value_and_grad(staged_loss))(state, *args)[1])
     assert float(peak) < expected / 100  # the amplified value inside was missed
 
 
@@ -429,6 +468,7 @@ def test_other_rules_ignore_the_backward_peak(name):
     for i in range(12):
         plain = step(*plain, jnp.int32(i), None)
         measured = step(*measured, jnp.int32(i), jnp.float32(rng.choice([0.0, 1e4, np.inf, 3.0])))
+    # Bit for bit: float32 only, and the ignored peak leaves the same program.
     chex.assert_trees_all_equal(measured, plain)
 
 
@@ -556,24 +596,30 @@ def test_replicas_agree_on_the_peak_and_the_scale(mesh, check_vma):
         _, grads, peak = ls.value_grad_and_peak(staged_loss, axis_name="data")(state, params, x, y, c, k)
         _, grads_plain = ls.value_and_grad(staged_loss, axis_name="data")(state, params, x, y, c, k)
         _, new_state = tx.update(grads, state, params, backward_peak=peak)
+        # Two differently fused computations in one program: within float16
+        # rounding (VALUE_RTOL of each leaf's largest magnitude).
         same = jnp.all(
             jnp.array(
-                [jnp.all(a == b) for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_plain), strict=True)]
+                [
+                    jnp.all(jnp.abs(a - b) <= VALUE_RTOL * jnp.max(jnp.abs(b)))
+                    for a, b in zip(jax.tree.leaves(grads), jax.tree.leaves(grads_plain), strict=True)
+                ]
             )
         )
         return peak[None], new_state.scale[None], same[None]
 
     peaks, scales, same = step(state, params, *split_batch(mesh, x, y), c, k)
+    # One pmax'd peak and one scale computed from it: the same bits everywhere.
     assert len(set(np.asarray(peaks).tolist())) == 1 and len(set(np.asarray(scales).tolist())) == 1
     assert np.asarray(same).all()
     if check_vma:
         # The loss is averaged before differentiating: each device's
         # cotangents are those of the one-device run over the global batch.
-        assert float(np.asarray(peaks)[0]) == brute_force_peak(params, x, y, c, k, 1.0)[0]
+        assert_peak(np.asarray(peaks)[0], brute_force_peak(params, x, y, c, k, 1.0)[0])
     else:
         # Each device differentiates its local mean (N times larger cotangents)
         # and the gradients are averaged after: the peak says so.
-        assert float(np.asarray(peaks)[0]) == N * brute_force_peak(params, x, y, c, k, 1.0)[0]
+        assert_peak(np.asarray(peaks)[0], N * brute_force_peak(params, x, y, c, k, 1.0)[0])
 
 
 def test_the_transformation_takes_the_largest_peak_over_its_axis(mesh):
