@@ -10,7 +10,7 @@ Examples:
 
 from loss_scale import presets
 from loss_scale._check import all_finite
-from loss_scale._errors import Float16StateWarning, SkippedStepsError
+from loss_scale._errors import Float16StateWarning, SkippedStepsError, check_skips
 from loss_scale._fused import apply_gradients
 from loss_scale._grad import find_state, get_scale, scale_loss, unscale, value_and_grad
 from loss_scale._metrics import metrics, overflow_paths
@@ -36,6 +36,7 @@ __all__ = [
     "SkippedStepsError",
     "all_finite",
     "apply_gradients",
+    "check_skips",
     "dynamic",
     "find_state",
     "for_dtype",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -46,9 +47,9 @@ def find_state(opt_state: PyTree) -> LossScaleState:
     found = [x for x in jax.tree.leaves(opt_state, is_leaf=_is_state) if _is_state(x)]
     if not found:
         raise ValueError(
-            "no LossScaleState found in the given optimizer state "
-            f"(a {type(opt_state).__name__}); build the optimizer with "
-            "loss_scale.dynamic, loss_scale.static or loss_scale.no_op"
+            "no LossScaleState found in what was passed: expected the optimizer state (opt_state = "
+            "tx.init(params), with tx built by loss_scale.dynamic, loss_scale.static or loss_scale.no_op), "
+            f"got {describe(opt_state)}"
         )
     if len(found) > 1:
         raise ValueError(
@@ -56,6 +57,89 @@ def find_state(opt_state: PyTree) -> LossScaleState:
             "pass the part of the state that holds the one you mean"
         )
     return found[0]
+
+
+def state_argument(
+    opt_state: PyTree, call: str, expected: str = "the optimizer state (opt_state = tx.init(params))"
+) -> LossScaleState:
+    """``find_state(opt_state)`` for the first argument of ``call``, whose
+    error says that the first argument must be ``expected``: forgetting it
+    (``value_and_grad(fun)(params, x)``) is the commonest slip."""
+    try:
+        return find_state(opt_state)
+    except ValueError:
+        if _has_optimizer_state(opt_state):
+            raise
+    raise ValueError(
+        f"{call}: the first argument must be {expected}, of an optimizer built with loss_scale.dynamic, "
+        f"loss_scale.static or loss_scale.no_op; got {describe(opt_state)}"
+    ) from None
+
+
+def need_arguments(args: tuple, names: Sequence[str], call: str) -> None:
+    """Raises a ``TypeError`` naming ``call`` (``"value_and_grad(fun)(opt_state,
+    *args)"``) when fewer positional arguments than ``names`` were passed: a
+    wrapper named after the user's function would otherwise raise Python's
+    error about that function."""
+    if len(args) < len(names):
+        missing = ", ".join(names[len(args) :])
+        raise TypeError(
+            f"{call} got {len(args)} positional argument{'' if len(args) == 1 else 's'}, missing {missing}: "
+            f"{names[0]} comes first, then the function's own arguments"
+        )
+
+
+def takes_first(wrapper: Callable, names: Sequence[str]) -> Callable:
+    """Gives ``wrapper(*args, **kwargs)`` the signature ``(names..., *args,
+    **kwargs)``, which ``inspect.signature`` (and so ``eqx.filter_jit`` and
+    IDEs) reports."""
+    first = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names]
+    rest = [
+        inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
+        inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
+    ]
+    wrapper.__signature__ = inspect.Signature([*first, *rest])  # type: ignore[attr-defined]
+    return wrapper
+
+
+def describe(tree: Any) -> str:
+    """A short description of what was passed where an optimizer state was
+    expected: ``"a dict of 2 arrays (float32), which looks like parameters, a
+    model or a batch"``, ``"an optimizer state that has no loss-scale state
+    (ScaleByAdamState, EmptyState)"``."""
+    if tree is None:
+        return "None"
+    kind = type(tree).__name__
+    article = "an" if kind[:1].lower() in "aeiou" else "a"
+    if _has_optimizer_state(tree):
+        parts = sorted({type(x).__name__ for x in jax.tree.leaves(tree, is_leaf=_is_named_tuple) if _is_named_tuple(x)})
+        return (
+            f"{article} {kind}: an optimizer state that has no loss-scale state ({', '.join(parts)}); wrap the "
+            "optimizer, tx = loss_scale.dynamic(tx), and make the state with the wrapped tx.init(params)"
+        )
+    leaves = jax.tree.leaves(tree)
+    if hasattr(tree, "shape") and hasattr(tree, "dtype"):
+        dtype = str(tree.dtype)
+        article = "an" if dtype[0] in "aeiou" else "a"
+        return f"{article} {dtype} array of shape {tuple(tree.shape)}, which looks like a parameter or a batch"
+    dtypes = sorted({str(x.dtype) for x in leaves if hasattr(x, "dtype")})
+    arrays = sum(hasattr(x, "dtype") for x in leaves)
+    if not arrays:
+        return f"{article} {kind}"
+    return (
+        f"{article} {kind} of {arrays} array{'s' if arrays > 1 else ''} ({', '.join(dtypes)}), "
+        "which looks like parameters, a model or a batch"
+    )
+
+
+def _is_named_tuple(x: Any) -> bool:
+    return isinstance(x, tuple) and hasattr(x, "_fields")
+
+
+def _has_optimizer_state(tree: Any) -> bool:
+    """Whether ``tree`` holds an optax state (a NamedTuple: ``EmptyState``,
+    ``ScaleByAdamState``...), as parameters and batches do not."""
+    return any(_is_named_tuple(x) for x in jax.tree.leaves(tree, is_leaf=_is_named_tuple))
 
 
 def get_scale(opt_state: PyTree) -> jax.Array:
@@ -144,14 +228,19 @@ def value_and_grad(
       (9.0, 24.0)
     """
 
+    call = "loss_scale.value_and_grad(fun)(opt_state, *args, **kwargs)"
+
     @named_after(fun)
-    def wrapped(opt_state: PyTree, *args, **kwargs):
-        scaled, averaged = data_parallel_objective(fun, has_aux, get_scale(opt_state), axis_name)
+    def wrapped(*args, **kwargs):
+        need_arguments(args, ["opt_state"], call)
+        opt_state, *args = args
+        scale = state_argument(opt_state, call).scale
+        scaled, averaged = data_parallel_objective(fun, has_aux, scale, axis_name)
         grad_fn = jax.grad(scaled, argnums=argnums, has_aux=True, allow_int=allow_int)
         grads, out = grad_fn(*args, **kwargs)
         return out, averaged(grads)
 
-    return wrapped
+    return takes_first(wrapped, ["opt_state"])
 
 
 def data_parallel_objective(

@@ -32,8 +32,11 @@ import jax
 import optax
 
 from loss_scale._fused import apply_gradients as _apply_gradients
-from loss_scale._grad import get_scale, scaled_objective
 from loss_scale._grad import named_after as _named_after
+from loss_scale._grad import need_arguments as _need_arguments
+from loss_scale._grad import scaled_objective
+from loss_scale._grad import state_argument as _state_argument
+from loss_scale._grad import takes_first as _takes_first
 from loss_scale._types import PyTree
 
 __all__ = ["apply_gradients", "filter_value_and_grad"]
@@ -58,7 +61,8 @@ def filter_value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> 
       is any optimizer state holding a loss-scale state, ``value`` is
       ``fun``'s own (unscaled) output and ``grads`` the gradients of ``loss *
       scale``, ready for ``apply_gradients`` (or ``tx.update``), which
-      unscales them.
+      unscales them. Called without the optimizer state (``(model, x)``), it
+      raises an error that says so.
 
     Examples:
       >>> import equinox as eqx, jax, jax.numpy as jnp, optax, loss_scale as ls
@@ -73,14 +77,18 @@ def filter_value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> 
       ((1, 2), True)
     """
 
+    call = "loss_scale.equinox.filter_value_and_grad(fun)(opt_state, model, *args, **kwargs)"
+
     @_named_after(fun)
-    def wrapped(opt_state: PyTree, model: Any, *args: Any, **kwargs: Any) -> tuple[Any, PyTree]:
-        scale = jax.lax.stop_gradient(get_scale(opt_state))
+    def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, PyTree]:
+        _need_arguments(args, ["opt_state", "model"], call)
+        opt_state, model, *args = args
+        scale = jax.lax.stop_gradient(_state_argument(opt_state, call).scale)
         scaled = scaled_objective(fun, has_aux, scale)
         (_, out), grads = eqx.filter_value_and_grad(scaled, has_aux=True)(model, *args, **kwargs)
         return out, grads
 
-    return wrapped
+    return _takes_first(wrapped, ["opt_state", "model"])
 
 
 def apply_gradients(

@@ -48,7 +48,10 @@ from flax.training import train_state
 from loss_scale._fused import apply_gradients as _apply_gradients
 from loss_scale._grad import find_state as _find_state
 from loss_scale._grad import named_after as _named_after
+from loss_scale._grad import need_arguments as _need_arguments
 from loss_scale._grad import scaled_objective
+from loss_scale._grad import state_argument as _state_argument
+from loss_scale._grad import takes_first as _takes_first
 from loss_scale._metrics import metrics as _metrics
 from loss_scale._state import LossScaleState
 from loss_scale._types import PyTree
@@ -144,7 +147,9 @@ def nnx_value_and_grad(
       is an ``nnx.Optimizer`` (or any optimizer state holding a loss-scale
       state), ``value`` is ``loss_fn``'s own, unscaled output and ``grads``
       (an ``nnx.State``) are the gradients of ``loss * scale``, ready for
-      ``optimizer.update(model, grads)``, which unscales them.
+      ``optimizer.update(model, grads)``, which unscales them. Called
+      without the optimizer (``(model, x)``), it raises an error that says
+      so.
 
     Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
@@ -170,16 +175,21 @@ def nnx_value_and_grad(
       (512.0, 1, 3)
     """
 
+    call = "loss_scale.flax.nnx_value_and_grad(loss_fn)(optimizer, model, *args, **kwargs)"
+
     @_named_after(loss_fn)
-    def wrapped(optimizer: PyTree, model: Any, *args, **kwargs):
+    def wrapped(*args, **kwargs):
+        _need_arguments(args, ["optimizer", "model"], call)
+        optimizer, model, *args = args
         diff_filter = wrt if wrt is not None else getattr(optimizer, "wrt", nnx.Param)
-        scale = jax.lax.stop_gradient(get_scale(optimizer))
+        state = _state_argument(optimizer, call, "the nnx.Optimizer (or its opt_state)")
+        scale = jax.lax.stop_gradient(nnx.as_pure(state.scale))
         scaled = scaled_objective(loss_fn, has_aux, scale)
         grad_fn = nnx.grad(scaled, argnums=nnx.DiffState(0, diff_filter), has_aux=True)
         grads, out = grad_fn(model, *args, **kwargs)
         return out, grads
 
-    return wrapped
+    return _takes_first(wrapped, ["optimizer", "model"])
 
 
 def apply_gradients(state: Any, grads: PyTree, **extra_args: Any) -> Any:
@@ -201,7 +211,7 @@ def apply_gradients(state: Any, grads: PyTree, **extra_args: Any) -> Any:
     Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
       >>> from flax.training import train_state
-      >>> from loss_scale.flax import apply_gradients
+      >>> from loss_scale.flax import apply_gradients, find_state
       >>> state = train_state.TrainState.create(
       ...     apply_fn=None, params={"w": jnp.ones(2)}, tx=ls.dynamic(optax.sgd(0.5), initial_scale=4.0))
       >>> state = apply_gradients(state, {"w": jnp.array([4.0, jnp.inf])})
@@ -215,11 +225,18 @@ def apply_gradients(state: Any, grads: PyTree, **extra_args: Any) -> Any:
 class TrainState(train_state.TrainState):
     """flax's ``TrainState``, whose ``apply_gradients`` takes the fused step.
 
-    ``state.apply_gradients(grads=grads)`` equals flax's (bit for bit on the
-    CPU, ``step`` included, which counts skipped steps too), but with a
+    ``state.apply_gradients(grads=grads)`` does what flax's does, but with a
     loss-scaling ``tx`` the update is added to the params inside the taken
     branch: the updates are never materialized and a skipped step writes
     nothing. Build it with ``TrainState.create`` as flax's.
+
+    From the same state, one step gives flax's ``opt_state`` and ``step``
+    bit for bit (``step`` counts skipped steps too) and its params within
+    one float32 rounding: XLA can add the update to a param with one
+    rounding (a fused multiply-add on the CPU), where flax's rounds the
+    materialized update first, so over many steps the params of the two can
+    drift apart by such roundings. A skipped step leaves everything bit for
+    bit as it was.
 
     Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
@@ -250,15 +267,23 @@ class Optimizer(nnx.Optimizer):
     """``nnx.Optimizer`` whose ``update`` takes the fused step.
 
     ``optimizer.update(model, grads)`` changes the model's params, the
-    optimizer state and ``step`` exactly as ``nnx.Optimizer``'s does (bit for
-    bit on the CPU), but with a loss-scaling ``tx`` the update is added to the
-    params inside the taken branch, so the updates are never materialized;
-    ``update`` returns ``None`` (``nnx.Optimizer``'s returns them).
+    optimizer state and ``step`` as ``nnx.Optimizer``'s does, but with a
+    loss-scaling ``tx`` the update is added to the params inside the taken
+    branch, so the updates are never materialized; ``update`` returns
+    ``None`` (``nnx.Optimizer``'s returns them).
+
+    From the same state, one update gives ``nnx.Optimizer``'s optimizer
+    state and ``step`` bit for bit, and its params within one float32
+    rounding: XLA can add the update to a param with one rounding (a fused
+    multiply-add on the CPU), where ``nnx.Optimizer`` rounds the
+    materialized update first, so from the second step on a param can differ
+    by a float32 ulp or so, and the two runs can drift apart by such
+    roundings. A skipped step leaves everything bit for bit as it was.
 
     Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
       >>> from flax import nnx
-      >>> from loss_scale.flax import Optimizer, nnx_value_and_grad
+      >>> from loss_scale.flax import Optimizer, find_state, nnx_value_and_grad
       >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
       >>> optimizer = Optimizer(model, ls.dynamic(optax.sgd(0.1), initial_scale=1024.0), wrt=nnx.Param)
       >>> loss_fn = lambda model, x: jnp.mean(model(x) ** 2)

@@ -14,12 +14,14 @@
 # computes the op it names in float32, and trains again. Runs on CPU in well under a minute.
 
 # %%
-# Setup: run this cell first. Where loss_scale is missing (Colab), it is installed from the
-# package index with the examples' dependencies. The models and data of these notebooks come
-# from the scripts in the repository's examples/ folder, which goes on the import path: the
-# one next to this notebook in a clone, else one in a clone of the repository that the
-# package's metadata names.
-import importlib.metadata
+# Setup: run this cell first. loss_scale is not on the package index, and no name there is
+# installed (whoever registers "loss_scale" there is not this project): where it is missing,
+# it is installed from a local copy, the clone this notebook is in, a clone in
+# ./loss_scale_repository, or a wheel built in a clone (`pip wheel --no-deps .`) placed in the
+# working directory. On Colab, clone the repository first, in a cell of its own:
+# `!git clone <repository URL> loss_scale_repository`. The models and data of these notebooks
+# come from the scripts in the clone's examples/ folder, which goes on the import path.
+import importlib
 import pathlib
 import subprocess
 import sys
@@ -27,27 +29,33 @@ import sys
 try:
     import loss_scale  # noqa: F401
 except ImportError:
-    if subprocess.run([sys.executable, "-m", "pip", "install", "-q", "loss_scale[examples]"]).returncode != 0:
+    clones = [
+        clone.resolve()
+        for clone in (pathlib.Path(".."), pathlib.Path("loss_scale_repository"))
+        if (clone / "pyproject.toml").is_file() and (clone / "loss_scale").is_dir()
+    ]
+    wheels = sorted(pathlib.Path.cwd().glob("loss_scale-*.whl"))
+    if not clones and not wheels:
         raise ImportError(
-            "loss_scale is not on the package index yet. Clone its repository, run "
-            '`pip install -e ".[notebooks]"` in the clone (or `pip install "loss_scale[examples] @ '
-            'git+<repository URL>"`), restart the kernel and run this notebook again, from the '
-            "clone's notebooks/ folder."
+            "loss_scale is not installed, and it is not on the package index: install it from a clone of its "
+            'repository (`pip install -e ".[notebooks]"` in the clone), restart the kernel and run this notebook '
+            "from the clone's notebooks/ folder. On Colab, run `!git clone <repository URL> loss_scale_repository` "
+            "(or upload a wheel built in a clone with `pip wheel --no-deps .`), then this cell again."
         ) from None
+    local = ["-e", f"{clones[0]}[examples]"] if clones else [f"{wheels[-1]}[examples]"]
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *local], check=True)
     importlib.invalidate_caches()
 
 if pathlib.Path("../examples/_common.py").is_file():  # in the notebooks/ folder of a clone
     sys.path.insert(0, str(pathlib.Path("../examples").resolve()))
-else:  # elsewhere (Colab): clone the repository
-    urls = dict(u.split(", ", 1) for u in importlib.metadata.metadata("loss_scale").get_all("Project-URL") or [])
-    if "Repository" not in urls:
-        raise FileNotFoundError(
-            "these notebooks import their models and data from the repository's examples/ folder, which is "
-            "not here: run them from the notebooks/ folder of a clone of the repository"
-        )
-    if not pathlib.Path("loss_scale_repository").is_dir():
-        subprocess.run(["git", "clone", "-q", "--depth", "1", urls["Repository"], "loss_scale_repository"], check=True)
+elif pathlib.Path("loss_scale_repository/examples/_common.py").is_file():  # a clone next to the notebook
     sys.path.insert(0, str(pathlib.Path("loss_scale_repository/examples").resolve()))
+else:
+    raise FileNotFoundError(
+        "these notebooks import their models and data from the repository's examples/ folder, which is not "
+        "here: run them from the notebooks/ folder of a clone of the repository, or clone it next to this "
+        "notebook (`!git clone <repository URL> loss_scale_repository` on Colab)"
+    )
 
 # %%
 import collections

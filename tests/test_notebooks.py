@@ -119,14 +119,42 @@ def test_every_notebook_has_the_same_setup_cell(source):
 
 
 def test_setup_says_what_to_do_when_the_package_cannot_be_installed(tmp_path):
-    # loss_scale not importable, and pip finds no package index: into an empty
-    # target, so that the installed copy does not satisfy it.
-    result = run_setup(
-        "import sys; sys.modules['loss_scale'] = None", tmp_path, PIP_NO_INDEX="1", PIP_TARGET=str(tmp_path / "t")
-    )
+    # loss_scale not importable, and no clone or wheel to install it from:
+    # nothing is installed by name from the package index.
+    prelude = "import sys; sys.modules['loss_scale'] = None\nimport subprocess; subprocess.run = None"
+    result = run_setup(prelude, tmp_path)
     assert result.returncode != 0
-    assert "ImportError: loss_scale is not on the package index yet" in result.stderr
-    assert 'pip install -e ".[notebooks]"' in result.stderr and "git+<repository URL>" in result.stderr
+    assert "ImportError: loss_scale is not installed, and it is not on the package index" in result.stderr
+    assert 'pip install -e ".[notebooks]"' in result.stderr and "git clone <repository URL>" in result.stderr
+
+
+#: Records the commands the setup cell runs instead of running them.
+RECORD_COMMANDS = (
+    "import sys; sys.modules['loss_scale'] = None\n"
+    "import subprocess\n"
+    "def _record(args, **kwargs):\n"
+    "    print('RAN', args[3:])\n"
+    "    return subprocess.CompletedProcess(args, 0)\n"
+    "subprocess.run = _record"
+)
+
+
+def test_setup_installs_a_wheel_from_the_working_directory(tmp_path):
+    wheel = tmp_path / "loss_scale-0.2.0-py3-none-any.whl"
+    wheel.write_bytes(b"")
+    result = run_setup(RECORD_COMMANDS, tmp_path)
+    assert f"RAN ['install', '-q', '{wheel}[examples]']" in result.stdout, result.stdout + result.stderr
+    assert "FileNotFoundError" in result.stderr  # a wheel has no examples/: a clone is still needed
+
+
+def test_setup_installs_a_clone_next_to_the_notebook(tmp_path):
+    clone = tmp_path / "loss_scale_repository"
+    for path in ("pyproject.toml", "loss_scale/__init__.py", "examples/_common.py"):
+        (clone / path).parent.mkdir(parents=True, exist_ok=True)
+        (clone / path).write_text("")
+    result = run_setup(RECORD_COMMANDS, tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert f"RAN ['install', '-q', '-e', '{clone}[examples]']" in result.stdout
 
 
 def test_setup_says_what_to_do_without_the_examples(tmp_path):
