@@ -43,7 +43,13 @@ def peak_and_finite(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax
     The peak is in ``x``'s real dtype (exact); complex leaves give the larger
     of ``|re|`` and ``|im|`` (see ``_magnitude``). A leaf with no elements is
     finite with peak 0.
+
+    Neither result is a differentiable quantity, and the variadic reduction
+    has no JVP rule: ``x``'s gradient is stopped here, so that
+    differentiating through an update (meta-learning a learning rate,
+    unrolled optimisation) sees a constant check.
     """
+    x = jax.lax.stop_gradient(x)
     magnitude = _magnitude(x)
     zero = jnp.zeros((), magnitude.dtype)
     peak, finite = jax.lax.reduce((magnitude, jnp.isfinite(x)), (zero, jnp.array(True)), _max_and_all, axes)

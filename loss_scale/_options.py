@@ -25,7 +25,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     from typing_extensions import Unpack
 
-__all__ = ["OPTIONS", "Option", "Options", "Settings", "Unpack", "no_options", "settings_from", "takes_options"]
+__all__ = ["OPTIONS", "Option", "Options", "Settings", "Unpack", "settings_from", "takes_options"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,8 +128,9 @@ OPTIONS: Mapping[str, Option] = types.MappingProxyType({name: option for name, (
 
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """Validated options, and whether the update checks the gradients at all
-    (``no_op`` does not, by default)."""
+    """Validated options, and whether the update skips non-finite steps at
+    all (``no_op`` does not, by default: it still measures the statistics,
+    and clips with ``max_grad_norm``)."""
 
     options: Mapping[str, Any]
     check_finite: bool = True
@@ -161,12 +162,21 @@ def settings_from(
             raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
     values = {name: option.check(name, given.get(name, option.default)) for name, option in OPTIONS.items()}
     values.update(overrides)
+    if not check_finite:
+        for name in SKIPPING_OPTIONS:
+            if values[name] != OPTIONS[name].default:
+                raise ValueError(
+                    f"{function}(): with skip_nonfinite=False every step is applied, so {name}={values[name]!r}, "
+                    f"which acts on skipped steps only, would never take effect: pass skip_nonfinite=True "
+                    f"(non-finite steps are then skipped) or leave {name} out"
+                )
     return Settings(types.MappingProxyType(values), check_finite=check_finite)
 
 
-def no_options(*, check_finite: bool) -> Settings:
-    """Every option at its default."""
-    return settings_from("no_op", {}, check_finite=check_finite)
+# Options that act on skipped steps only: refused where no step is skipped
+# (``for_dtype`` of a wide dtype without ``skip_nonfinite``) rather than
+# silently dropped.
+SKIPPING_OPTIONS = ("max_consecutive_skips", "backoff_on_nonfinite_loss")
 
 
 def options_doc(exclude: tuple[str, ...] = ()) -> str:

@@ -29,8 +29,9 @@ import numpy as np
 import optax
 
 from loss_scale import _validate as validate
+from loss_scale._options import OPTIONS
 from loss_scale._rules.dynamic import dynamic
-from loss_scale._rules.static import no_op
+from loss_scale._rules.static import unscaled
 from loss_scale._types import PyTree
 
 DTypeLike = Any
@@ -210,12 +211,18 @@ def for_dtype(
 
     float16 gets ``loss_scale.dynamic(inner, **dynamic_kwargs)``; bfloat16,
     float32 and float64, whose exponent range is float32's or wider, get
-    ``loss_scale.no_op(inner)`` (scale 1, no check, the same state layout, so
-    the training loop and checkpoints do not change with the flag).
+    ``loss_scale.no_op(inner)`` with the options (scale 1, no skipping, the same
+    state layout, so the training loop and checkpoints do not change with the
+    flag), where ``options`` are the keyword options among
+    ``dynamic_kwargs`` (``max_grad_norm``, ``track_grad_norm``...): they take
+    effect in every dtype. The scale rule's settings (``initial_scale``,
+    ``growth_interval``...) concern float16 only.
 
     ``dynamic_kwargs`` are validated whatever the dtype, so a misspelt or
     out-of-range setting fails in a float32 run too, not only once someone
-    switches to float16.
+    switches to float16. The options that act on skipped steps only
+    (``max_consecutive_skips``, ``backoff_on_nonfinite_loss``) need
+    ``skip_nonfinite=True`` for the wider dtypes, and are refused without it.
 
     Args:
       inner: the optimizer to wrap.
@@ -223,14 +230,15 @@ def for_dtype(
       skip_nonfinite: for the wider dtypes, skip non-finite steps as
         ``loss_scale.no_op(inner, skip_nonfinite=True)`` does (float16 always
         skips them).
-      **dynamic_kwargs: settings for ``loss_scale.dynamic``.
+      **dynamic_kwargs: settings and options for ``loss_scale.dynamic``.
 
     Returns:
       An optax transformation whose state holds a ``LossScaleState``.
 
     Raises:
       ValueError: for a dtype with no loss-scaling rule (float8 formats need
-        per-tensor scaling, which this is not).
+        per-tensor scaling, which this is not), or an option that acts on
+        skipped steps only for a wider dtype without ``skip_nonfinite``.
 
     Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
@@ -247,7 +255,11 @@ def for_dtype(
     if dtype == np.dtype(jnp.float16):
         return scaled
     if dtype in _WIDE_RANGE:
-        return no_op(inner, skip_nonfinite=skip_nonfinite)
+        options = {name: value for name, value in dynamic_kwargs.items() if name in OPTIONS}
+        try:
+            return unscaled(inner, "for_dtype", options, skip_nonfinite)
+        except ValueError as error:
+            raise ValueError(f"{error} (for {dtype.name}, which gets no loss scaling)") from None
     raise ValueError(
         f"no loss-scaling rule for {dtype}: expected float16 (dynamic loss scaling) or "
         "bfloat16/float32/float64 (none needed)"

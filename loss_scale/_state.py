@@ -33,8 +33,13 @@ class StepStats(NamedTuple):
         such values are subnormal or flushed, so a large fraction says the
         scale is too low. With ``track_underflow``; ``None`` otherwise.
       nonfinite_leaves: bool[n], which gradient leaves were non-finite on the
-        most recent *skipped* step, with ``locate_overflows``; ``None``
-        otherwise. ``loss_scale.overflow_paths`` names them.
+        most recent *skipped* step (under ``no_op`` without
+        ``skip_nonfinite``, which skips none: on the most recent step with a
+        non-finite gradient), with ``locate_overflows``; ``None`` otherwise.
+        ``loss_scale.overflow_paths`` names them.
+
+    Every statistic is measured on every step, ``no_op``'s unchecked ones
+    included, and none is differentiable (their gradient is stopped).
     """
 
     grad_max: jax.Array
@@ -178,7 +183,14 @@ def next_state(
     failure apart: the step is skipped, but a smaller scale cannot make a
     non-finite loss finite, so the rule does not see it unless
     ``backoff_on_nonfinite_loss``. ``backward_peak`` (``None`` when not
-    passed) goes to the rule as it is."""
+    passed) goes to the rule as it is. ``finite`` is what the step's
+    skipping and the rule go by (``no_op`` without ``skip_nonfinite`` passes
+    True: it applies every step); ``stats`` are recorded as measured.
+
+    Nothing recorded here is differentiable: the statistics' gradients are
+    stopped, so that differentiating through an update sees the scale and
+    the counters as constants."""
+    stats = jax.lax.stop_gradient(stats)
     before = RuleState(state.scale, state.good_steps, state.counters)
     if loss_finite is None:
         loss_finite = jnp.array(True)
@@ -191,9 +203,11 @@ def next_state(
     skip_reason = jnp.where(forward_failure, 2, jnp.where(finite, 0, 1)).astype(jnp.int32)
     nonfinite_leaves = state.stats.nonfinite_leaves
     if nonfinite_leaves is not None:
-        # Kept from the most recent skipped step, so a later clean step does
-        # not erase the evidence.
-        nonfinite_leaves = jnp.where(skipped, jnp.logical_not(stats.leaf_finite), nonfinite_leaves)
+        # Kept from the most recent skipped step (or, unchecked, the most
+        # recent non-finite one), so a later clean step does not erase the
+        # evidence.
+        nonfinite = jnp.logical_not(stats.leaf_finite)
+        nonfinite_leaves = jnp.where(skipped | jnp.any(nonfinite), nonfinite, nonfinite_leaves)
     underflow = stats.underflow
     return LossScaleState(
         scale=moved.scale,

@@ -13,6 +13,12 @@ One update, in order:
    given the backward pass's measured peak when the caller passes one as
    ``backward_peak=`` (``loss_scale.value_grad_and_peak``; it is not passed
    on to the inner optimizer).
+
+``no_op`` without ``skip_nonfinite`` makes the same read for its statistics
+and clipping, and applies the inner update with no branch. Differentiated
+through (meta-learning, unrolled optimisation), a taken step is the inner
+update of the unscaled (and clipped) gradients; the check and the statistics
+are constants.
 """
 
 from __future__ import annotations
@@ -25,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from loss_scale._check import GradStats, gradient_stats
+from loss_scale._check import gradient_stats
 from loss_scale._errors import raise_when_stuck, warn_about_float16_state
 from loss_scale._options import Settings
 from loss_scale._rules import Rule
@@ -40,23 +46,35 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
     ``no_op`` and the presets return.
 
     An ``optax.GradientTransformationExtraArgs`` (a NamedTuple of ``init`` and
-    ``update``, accepted wherever optax takes a transformation) that also
-    carries its fused step, ``apply_gradients``: ``update`` and
-    ``optax.apply_updates`` in one, with the addition to the params inside
-    the taken branch. ``loss_scale.apply_gradients`` calls it.
-    """
+    ``update``, accepted wherever optax takes a transformation) with one more
+    method, ``apply_gradients``: ``update`` and ``optax.apply_updates`` in
+    one, with the addition to the params inside the taken branch.
+    ``loss_scale.apply_gradients`` calls it.
 
-    def __new__(cls, init, update, apply_gradients):
-        tx = super().__new__(cls, init, update)
-        object.__setattr__(tx, "_apply_gradients", apply_gradients)
-        return tx
+    The fused step travels on the ``update`` function itself (as its
+    ``FUSED_ATTRIBUTE``), not in a field of its own: the transformation stays
+    a NamedTuple of exactly ``init`` and ``update``, so that ``copy``,
+    ``deepcopy``, pickling (with cloudpickle, as for optax's own closures)
+    and ``_replace`` behave as for any optax transformation, and an
+    ``update`` replaced with ``_replace`` is never bypassed by the fused step
+    of the one it replaced.
+    """
 
     def apply_gradients(
         self, grads: optax.Updates, state: optax.OptState, params: optax.Params, **extra_args: Any
     ) -> tuple[optax.Params, optax.OptState]:
         """``(new_params, new_state)``: ``update`` and ``optax.apply_updates``,
-        fused (see ``loss_scale.apply_gradients``)."""
-        return self._apply_gradients(grads, state, params, **extra_args)
+        fused when ``update`` is the one this library built (see
+        ``loss_scale.apply_gradients``), one after the other otherwise."""
+        fused = getattr(self.update, FUSED_ATTRIBUTE, None)
+        if fused is not None:
+            return fused(grads, state, params, **extra_args)
+        updates, state = self.update(grads, state, params, **extra_args)
+        return optax.apply_updates(params, updates), state
+
+
+# The attribute of a loss-scaling ``update`` function that holds its fused step.
+FUSED_ATTRIBUTE = "loss_scale_apply_gradients"
 
 
 def as_transformation(inner: Any) -> optax.GradientTransformationExtraArgs:
@@ -89,7 +107,9 @@ def _skipped_inner_state(before: PyTree, after: PyTree) -> PyTree:
     moments in the params' dtype and promotes them when the gradients are
     wider (bfloat16 params, float32 gradients). The skipped step returns the
     old values in the wider dtype, which is exact. A change that would lose
-    values (a narrowing, a shape or structure change) raises a TypeError.
+    values (a narrowing, a shape or structure change, a typed PRNG key that
+    changes implementation) raises a TypeError. A leaf whose type the update
+    keeps (a typed key, ``float0``) is returned as it is.
     """
     paths_before, treedef_before = jax.tree_util.tree_flatten_with_path(before)
     leaves_after, treedef_after = jax.tree.flatten(after)
@@ -103,15 +123,28 @@ def _skipped_inner_state(before: PyTree, after: PyTree) -> PyTree:
         # A Python number in the state (a custom optimizer's count, say) is
         # an array of its JAX type once traced, as in plain optax under jit.
         old = jnp.asarray(old)
-        if old.shape != new.shape or not np.can_cast(old.dtype, new.dtype, casting="safe"):
+        if old.shape != new.shape or not _widens_exactly(old.dtype, new.dtype):
             raise TypeError(
                 f"the inner optimizer's update changes state leaf {jax.tree_util.keystr(path)} from "
                 f"{old.dtype}{old.shape} to {new.dtype}{new.shape}; a skipped step could "
                 "not return it unchanged in the new type. Initialise it with the dtype it will keep (for "
                 "example, pass params of that dtype to init)"
             )
-        kept.append(match_varying(old.astype(new.dtype), new))
+        if old.dtype != new.dtype:
+            old = old.astype(new.dtype)
+        kept.append(match_varying(old, new))
     return jax.tree.unflatten(treedef_after, kept)
+
+
+def _widens_exactly(old: np.dtype, new: np.dtype) -> bool:
+    """Whether every value of dtype ``old`` is a value of ``new``. JAX's
+    extended dtypes (typed PRNG keys) are no numpy dtypes, which
+    ``np.can_cast`` cannot interpret: they only ever match themselves."""
+    if old == new:
+        return True
+    if jax.dtypes.issubdtype(old, jax.dtypes.extended) or jax.dtypes.issubdtype(new, jax.dtypes.extended):
+        return False
+    return bool(np.can_cast(old, new, casting="safe"))
 
 
 def _check_layout(state: LossScaleState, expected: LossScaleState) -> None:
@@ -189,18 +222,15 @@ def loss_scaled(inner: Any, rule: Rule, options: Settings) -> LossScaleTransform
                 return optax.apply_updates(params, updates), inner_state
             return updates, inner_state
 
-        if not options.check_finite:
-            out, inner_state = inner_step(unscale_tree(grads, scale), state.inner_state, params)
-            stats = GradStats(jnp.ones((0,), jnp.bool_), jnp.full((), jnp.nan, jnp.float32), None)
-            return out, next_state(rule, state, stats, jnp.array(True), inner_state, backward_peak=backward_peak)
-
         # 1. Check: one read of every gradient (and the loss, when passed).
+        # Without the check (no_op) the same read still gives the statistics,
+        # and the step is applied whatever it found.
         stats = gradient_stats(grads, scale, options.with_norm, options.track_underflow, options.axis_name)
         finite = jnp.all(stats.leaf_finite)
-        loss_finite = _loss_finite(extra_args.get("value"), options.axis_name)
-        go = finite if loss_finite is None else jnp.logical_and(finite, loss_finite)
         clip_factor = None
         if options.max_grad_norm is not None:
+            # Part of the update's math (optax.clip_by_global_norm's), so it
+            # is differentiated; the check above is not.
             norm = jnp.sqrt(stats.sq_norm)
             clip_factor = jnp.where(norm < options.max_grad_norm, 1.0, options.max_grad_norm / norm)
 
@@ -208,6 +238,14 @@ def loss_scaled(inner: Any, rule: Rule, options: Settings) -> LossScaleTransform
             # The unscale (and clip) sits inside the taken branch, where XLA
             # fuses it with the inner optimizer's elementwise pass.
             return inner_step(unscale_tree(grads, scale, clip_factor), inner_state, params)
+
+        if not options.check_finite:
+            out, inner_state = apply(grads, state.inner_state, params)
+            applied = jnp.array(True)
+            return out, next_state(rule, state, stats, applied, inner_state, backward_peak=backward_peak)
+
+        loss_finite = _loss_finite(extra_args.get("value"), options.axis_name)
+        go = finite if loss_finite is None else jnp.logical_and(finite, loss_finite)
 
         # Traced once: the jaxpr gives the skip branch its shapes and the taken
         # branch its computation (tracing the inner update twice doubles the
@@ -249,10 +287,13 @@ def loss_scaled(inner: Any, rule: Rule, options: Settings) -> LossScaleTransform
     ) -> tuple[optax.Updates, LossScaleState]:
         return step(updates, state, params, extra_args, apply_to_params=False)
 
-    def apply_gradients_fn(grads, state, params, **extra_args):
+    def apply_gradients_fn(
+        grads: optax.Updates, state: LossScaleState, params: optax.Params, **extra_args: Any
+    ) -> tuple[optax.Params, LossScaleState]:
         return step(grads, state, params, extra_args, apply_to_params=True)
 
-    return LossScaleTransformation(init_fn, update_fn, apply_gradients_fn)
+    setattr(update_fn, FUSED_ATTRIBUTE, apply_gradients_fn)
+    return LossScaleTransformation(init_fn, update_fn)
 
 
 def _loss_finite(value: Any, axis_name: Any) -> jax.Array | None:
