@@ -206,6 +206,11 @@ def gradient_stats(
             row = []
             if with_norm:
                 unscaled = unscale_leaf(values, scale).astype(compute_dtype(values.dtype))  # as the inner sees it
+                # Non-finite elements are left out of the differentiable sum
+                # and the norm made inf below: squaring an inf would put
+                # 0 * inf = nan into the gradient of an update differentiated
+                # through a skipped step with clipping.
+                unscaled = jnp.where(jnp.isfinite(unscaled), unscaled, 0)
                 row.append(jnp.sum(jnp.real(unscaled * jnp.conj(unscaled)), dtype=jnp.float32))
             if with_underflow:
                 magnitude = _magnitude(values)
@@ -239,7 +244,7 @@ def gradient_stats(
         totals = totals + jax.lax.psum(jnp.sum(jnp.stack(sums[True]), axis=0), axis_name)
     if sums[False]:
         totals = totals + jnp.sum(jnp.stack(sums[False]), axis=0)
-    sq_norm = totals[0] if with_norm else None
+    sq_norm = jnp.where(jnp.all(leaf_finite), totals[0], jnp.inf) if with_norm else None
     underflow = None
     if with_underflow:
         zeros, tiny, count = totals[width - 3], totals[width - 2], totals[width - 1]

@@ -24,8 +24,9 @@ class StepStats(NamedTuple):
     Attributes:
       grad_max: float32, the largest unscaled gradient magnitude (inf when a
         gradient was not finite).
-      grad_norm: float32, the global norm of the unscaled gradients, with
-        ``track_grad_norm`` or ``max_grad_norm``; ``None`` otherwise.
+      grad_norm: float32, the global norm of the unscaled gradients (inf on
+        a step with a non-finite gradient), with ``track_grad_norm`` or
+        ``max_grad_norm``; ``None`` otherwise.
       zero_fraction: float32, the fraction of gradient elements that were
         exactly 0, with ``track_underflow``; ``None`` otherwise.
       below_normal_fraction: float32, the fraction whose scaled magnitude was

@@ -44,7 +44,10 @@ def _differentiable(stepper, grads, reference):
     skipped = [stepper.skips and not bool(c.ls.all_finite(g)) for g in grads]
 
     def f(a):
-        scaled = [jax.tree.map(lambda x: a * x, g) for g in grads]
+        # a multiplies the finite elements only: an inf that depended on a
+        # would give 0 * inf = nan in the user's own product, in reverse mode,
+        # whatever the optimizer did with it.
+        scaled = [jax.tree.map(lambda x: a * _finite_part(x) + (x - _finite_part(x)), g) for g in grads]
         if reference:
             kept = [g for g, s in zip(scaled, skipped, strict=True) if not s]
             params = c.reference_params(kept, skips=False)
@@ -56,6 +59,10 @@ def _differentiable(stepper, grads, reference):
         return sum(jnp.sum(x**2) for x in jax.tree.leaves(params))
 
     return f
+
+
+def _finite_part(x):
+    return jnp.where(jnp.isfinite(x), x, 0)
 
 
 def _check_like_reference(stepper, grads, params, what):

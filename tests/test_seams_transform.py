@@ -129,14 +129,23 @@ def test_clipping_differentiates_as_optax_clip(wrap, fused):
     assert_differentiates_alike(unrolled(wrapped, fused), unrolled(bare, fused=False), jax.jit, atol=2e-6)
 
 
-def test_a_skipped_step_differentiates_as_no_step():
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"max_grad_norm": 1e-3}, {"track_grad_norm": True, "track_underflow": True, "locate_overflows": True}],
+    ids=["plain", "clipping", "statistics"],
+)
+def test_a_skipped_step_differentiates_as_no_step(options):
+    # With clipping, the norm's sum of squares must leave the inf out of its
+    # gradient: 0 * inf would make the whole derivative nan.
     inner = optax.sgd(0.1, momentum=0.9)
-    tx = ls.dynamic(inner, initial_scale=64.0)
+    tx = ls.dynamic(inner, initial_scale=64.0, **options)
     state = tx.init(PARAMS)
 
     def f(a):
         grads = scaled_grads(a, 64.0)
-        grads["w"] = grads["w"].at[0].set(jnp.inf)
+        # The inf adds to a gradient that depends on a, as an overflow in a
+        # backward pass does (a .set would cut the dependence).
+        grads["w"] = grads["w"] + jnp.zeros_like(grads["w"]).at[0].set(jnp.inf)
         updates, _ = tx.update(grads, state, PARAMS)
         return sum(jnp.sum(u) for u in jax.tree.leaves(updates))
 
