@@ -90,8 +90,11 @@ class Options(TypedDict, total=False):
             _optional(validate.count),
             "``None`` keeps skipping for as long as the gradients overflow (the state reports it: "
             "``consecutive_skips``, ``steps_at_min``); an int ``n`` raises a ``loss_scale.SkippedStepsError`` "
-            "on the host on the n-th skipped step in a row, naming the non-finite gradient leaves. No update "
-            "is applied either way.",
+            "on the n-th skipped step in a row, naming the non-finite gradient leaves. Called eagerly, "
+            "``tx.update`` raises it as it is; under ``jit`` it comes from a host callback, and JAX hands it "
+            "to the caller as a ``jax.errors.JaxRuntimeError`` whose message contains "
+            "``SkippedStepsError: loss_scale: `` (``loss_scale.check_skips`` raises the error itself on the "
+            "host, after a jitted step). No update is applied either way.",
         ),
     ]
     backoff_on_nonfinite_loss: Annotated[

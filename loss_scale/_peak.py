@@ -25,7 +25,7 @@ import jax.numpy as jnp
 
 from loss_scale import _validate as validate
 from loss_scale._check import largest_magnitude
-from loss_scale._grad import data_parallel_objective, find_state, named_after
+from loss_scale._grad import data_parallel_objective, named_after, state_argument
 from loss_scale._probe import Evaluator, on_paths
 from loss_scale._sharding import axis_names, vary_along, varying_axes
 from loss_scale._types import AxisName, PyTree
@@ -125,7 +125,7 @@ def value_grad_and_peak(
 
     @named_after(fun)
     def wrapped(opt_state: PyTree, *args, **kwargs):
-        state = find_state(opt_state)
+        state = state_argument(opt_state, "loss_scale.value_grad_and_peak(fun)(opt_state, *args, **kwargs)")
         scaled, averaged = data_parallel_objective(fun, has_aux, state.scale, axis_name)
 
         def plain():

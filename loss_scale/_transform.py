@@ -276,7 +276,7 @@ def loss_scaled(inner: Any, rule: Rule, options: Settings) -> LossScaleTransform
             rule, state, stats, finite, inner_state, loss_finite, options.backoff_on_nonfinite_loss, backward_peak
         )
         if options.max_consecutive_skips is not None:
-            raise_when_stuck(new_state, stats.leaf_finite, grads, options.max_consecutive_skips)
+            raise_when_stuck(new_state, stats.leaf_finite, grads, options.max_consecutive_skips, rule.floor)
         return out, new_state
 
     def update_fn(

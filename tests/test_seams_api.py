@@ -60,6 +60,15 @@ def test_the_message_claims_only_what_the_counters_show(jitted):
     message = str(info.value)
     assert "1 consecutive step skipped" in message and "the scale is now 4096" in message
     assert "at any scale" not in message and "overflow at every scale" not in message
+    assert "reached its minimum" not in message
+
+
+def test_the_message_says_the_minimum_is_reached_only_when_it_is():
+    tx = ls.dynamic(optax.sgd(0.1), initial_scale=4.0, min_scale=2.0, max_consecutive_skips=2)
+    state = tx.init(PARAMS)
+    _, state = tx.update(BAD, state, PARAMS)  # 4 -> 2, the minimum
+    with pytest.raises(ls.SkippedStepsError, match=r"the scale is now 2\. .*reached its minimum \(2\)"):
+        tx.update(BAD, state, PARAMS)
 
 
 def test_check_skips_raises_the_documented_exception_outside_jit():
@@ -99,7 +108,8 @@ def test_value_and_grad_without_the_optimizer_state_says_so():
 
 
 def test_value_grad_and_peak_without_the_optimizer_state_says_so():
-    with pytest.raises(ValueError, match=r"expected the optimizer state \(opt_state = tx.init\(params\)") as info:
+    first = r"value_grad_and_peak\(fun\)\(opt_state, .*the first argument must be the optimizer state"
+    with pytest.raises(ValueError, match=first) as info:
         ls.value_grad_and_peak(loss)(PARAMS, jnp.ones(3))
     assert "a dict of 2 arrays" in str(info.value)
 
