@@ -141,9 +141,31 @@ def unscaled_grads(run: int = 0, overflow: bool = True) -> list[dict[str, jax.Ar
     return steps
 
 
+def digest(tree: Any) -> tuple:
+    """A hashable fingerprint of a tree of concrete arrays, for caching the
+    references that many cells share."""
+    leaves, treedef = jax.tree.flatten(tree)
+    return (str(treedef), *((np.asarray(x).dtype.str, np.asarray(x).shape, np.asarray(x).tobytes()) for x in leaves))
+
+
+_REFERENCES: dict[tuple, Any] = {}
+
+
 def reference_params(grads: list, skips: bool = True, params: Any = PARAMS) -> Any:
     """The bare optimizer on the unscaled gradients, skipping non-finite
-    steps when ``skips`` (as a loss-scaling transformation does)."""
+    steps when ``skips`` (as a loss-scaling transformation does); computed
+    once per gradient sequence, and shared by the cells."""
+    concrete = not any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves((grads, params)))
+    key = (digest(grads), skips, digest(params)) if concrete else None
+    if key in _REFERENCES:
+        return _REFERENCES[key]
+    result = _reference_params(grads, skips, params)
+    if key is not None:
+        _REFERENCES[key] = result
+    return result
+
+
+def _reference_params(grads: list, skips: bool, params: Any) -> Any:
     tx = inner()
     state = tx.init(params)
     for g in grads:
