@@ -96,6 +96,8 @@ def test_stepper_cell(entry, feature, tmp_path):
 def check_stepper_cell(entry, feature, tmp_path):
     """Runs one cell: ``entry`` driven with ``feature``, against the bare
     optimizer."""
+    if feature == "pickle":
+        pytest.importorskip("cloudpickle")
     build = c.STEPPERS[entry]
     stepper = build(c.copier(feature)) if feature in ("copy", "deepcopy", "pickle") else build()
     grads = c.unscaled_grads(overflow=stepper.skips)
@@ -110,8 +112,6 @@ def check_stepper_cell(entry, feature, tmp_path):
     elif feature in ("copy", "deepcopy", "pickle"):
         # The transformation was copied at build; the carry (which for a flax
         # TrainState holds the transformation too) is copied mid-run.
-        if feature == "pickle":
-            pytest.importorskip("cloudpickle")
         step = _jitted(stepper)
         carry = step(stepper.init(c.PARAMS), grads[0])
         carry = c.copier(feature)(carry)
