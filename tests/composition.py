@@ -322,17 +322,12 @@ def copier(feature: str) -> Callable[[Any], Any]:
     return lambda obj: cloudpickle.loads(cloudpickle.dumps(obj))
 
 
-def assert_params_close(actual: Any, expected: Any, what: str = "") -> None:
-    """float32 parameters after a few optimizer steps: the bare optimizer runs
-    unfused op by op, the cell's program may fuse and contract (FMA), so they
-    agree to a few float32 roundings; a skipped step applied, or a wrong
-    unscale, moves them by about the learning rate times a gradient (>1e-3)."""
-    actual, expected = dict(actual), dict(expected)
-    assert actual.keys() == expected.keys(), what
-    for key in expected:
-        a, e = np.asarray(actual[key]), np.asarray(expected[key])
-        assert a.dtype == e.dtype and a.shape == e.shape, (what, key, a.dtype, e.dtype, a.shape, e.shape)
-        np.testing.assert_allclose(a, e, rtol=2e-6, atol=2e-7, err_msg=f"{what} {key}")
+# How close a cell's float32 parameters after a few optimizer steps are to the
+# reference's (``assert_trees_close(..., **PARAMS_CLOSE)``): the bare optimizer
+# runs unfused op by op, the cell's program may fuse and contract (FMA), so they
+# agree to a few float32 roundings; a skipped step applied, or a wrong unscale,
+# moves them by about the learning rate times a gradient (>1e-3).
+PARAMS_CLOSE = {"rtol": 2e-6, "atol": 2e-7}
 
 
 # ------------------------------------------------------- gradient functions
@@ -485,20 +480,14 @@ def reference_value_and_grad(loss):
     return call
 
 
-def assert_float16_close(actual: Any, expected: Any, what: str = "") -> None:
-    """Values of a float16 model from two different programs (the entry
-    point's and ``jax.value_and_grad``'s): XLA may fuse them differently, and
-    on CPUs with AVX512-FP16 float16 rounds differently eagerly and under
-    jit, so they agree to a few float16 roundings (2**-11 each, relative to
-    the largest element), not bit for bit. A missing or doubled scale is a
-    factor of 2**10."""
-    la, le = jax.tree.leaves(actual), jax.tree.leaves(expected)
-    assert jax.tree.structure(actual) == jax.tree.structure(expected), what
-    for a, e in zip(la, le, strict=True):
-        a, e = np.asarray(a, np.float64), np.asarray(e, np.float64)
-        assert a.shape == e.shape, what
-        bound = 8 * 2.0**-11 * max(float(np.max(np.abs(e))) if e.size else 0.0, 1e-30)
-        np.testing.assert_allclose(a, e, rtol=0, atol=bound, err_msg=what)
+# How close the values of a float16 model from two different programs (the
+# entry point's and ``jax.value_and_grad``'s) are
+# (``assert_trees_close_to_largest(..., **FLOAT16_CLOSE)``): XLA may fuse them
+# differently, and on CPUs with AVX512-FP16 float16 rounds differently eagerly
+# and under jit, so they agree to a few float16 roundings (2**-11 each,
+# relative to the largest element), not bit for bit. A missing or doubled
+# scale is a factor of 2**10.
+FLOAT16_CLOSE = {"rtol": 8 * 2.0**-11, "floor": 1e-30}
 
 
 def excluded_cells() -> list[tuple[str, str, str]]:

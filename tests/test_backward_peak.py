@@ -20,6 +20,7 @@ from jax.sharding import PartitionSpec as P
 import loss_scale as ls
 from loss_scale._check import largest_magnitude
 from loss_scale._rules.predictive import PredictiveRule
+from tests._compare import assert_trees_close_to_largest
 from tests._scripts import ROOT, load_script
 
 try:  # benchmarks/predictive.py, which simulates the runs, imports the examples' flax models
@@ -44,6 +45,9 @@ DIMS = (((1,), (0,)), ((), ()))
 # 2**-11 each), and |p - y| there is larger than |p| (no cancellation):
 # k = 32 roundings. Losses (a square) and gradients (float16 sums over the
 # batch) get twice that. Each is far below the factor 2 of a wrong binade.
+# Values are compared leaf by leaf within VALUE_RTOL of the leaf's largest
+# magnitude (elements much smaller than it carry the rounding of the large
+# ones' float16 sums).
 PEAK_RTOL = 32 * 2.0**-11
 VALUE_RTOL = 64 * 2.0**-11
 
@@ -56,16 +60,6 @@ def assert_peak(peak, expected):
         assert peak == math.inf
     else:
         assert expected > 0 and abs(peak - expected) <= PEAK_RTOL * expected, (peak, expected)
-
-
-def assert_values_close(got, want, rtol=VALUE_RTOL):
-    """Leaf by leaf, within ``rtol`` of the leaf's largest magnitude
-    (elements much smaller than it carry the rounding of the large ones'
-    float16 sums)."""
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        assert g.shape == w.shape and g.dtype == w.dtype
-        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
-        np.testing.assert_allclose(g, w, rtol=0, atol=rtol * float(np.abs(w).max(initial=0.0)))
 
 
 # --- a float16 model written one primitive at a time --------------------------
@@ -204,7 +198,7 @@ def test_value_and_grads_are_value_and_grads(jit, good_steps):
     state = state_at(tx, args[0], good_steps=good_steps)
     loss, grads, _ = jit(ls.value_grad_and_peak(staged_loss, every=2))(state, *args)
     want_loss, want_grads = jax.jit(ls.value_and_grad(staged_loss))(state, *args)
-    assert_values_close((loss, grads), (want_loss, want_grads))
+    assert_trees_close_to_largest((loss, grads), (want_loss, want_grads), rtol=VALUE_RTOL)
 
 
 # --- the same arguments as value_and_grad ---------------------------------------
@@ -227,7 +221,7 @@ def test_argnums_has_aux_and_keywords_as_value_and_grad(jit, argnums, good_steps
     got = jit(ls.value_grad_and_peak(mlp_loss, argnums=argnums, has_aux=True))(state, params, x, s, bias=0.5)
     want = jit(ls.value_and_grad(mlp_loss, argnums=argnums, has_aux=True))(state, params, x, s, bias=0.5)
     chex.assert_trees_all_equal_structs(got[:2], want)
-    assert_values_close(got[:2], want)  # two programs (eager: one compiled, one op by op)
+    assert_trees_close_to_largest(got[:2], want, rtol=VALUE_RTOL)  # two programs (eager: one compiled, one op by op)
     assert (float(got[2]) > 0) == (good_steps == 0)
 
 
@@ -278,7 +272,7 @@ def test_vmap_over_states_and_params_measures_each_its_own_steps():
         else:
             assert_peak(peaks[i], expected)
         want_loss, want_grads = jax.jit(ls.value_and_grad(staged_loss))(at(states), at(params), *args[1:])
-        assert_values_close((losses[i], at(grads)), (want_loss, want_grads))
+        assert_trees_close_to_largest((losses[i], at(grads)), (want_loss, want_grads), rtol=VALUE_RTOL)
 
 
 def test_jitted_and_checkpointed_functions_are_looked_into_control_flow_is_not():
@@ -296,7 +290,7 @@ def test_jitted_and_checkpointed_functions_are_looked_into_control_flow_is_not()
         return lax.scan(lambda carry, _: (staged_loss(*a), None), jnp.float32(0), length=1)[0]
 
     _, grads, peak = jax.jit(ls.value_grad_and_peak(inside_scan))(state, *args)
-    assert_values_close(grads, jax.jit(ls.value_and_grad(staged_loss))(state, *args)[1])
+    assert_trees_close_to_largest(grads, jax.jit(ls.value_and_grad(staged_loss))(state, *args)[1], rtol=VALUE_RTOL)
     assert float(peak) < expected / 100  # the amplified value inside was missed
 
 

@@ -10,6 +10,7 @@ import pytest
 from flax import serialization
 
 import loss_scale as ls
+from tests._compare import assert_trees_bitwise
 
 TX = ls.dynamic(optax.adamw(1e-2), initial_scale=2.0**6, growth_interval=3, min_scale=2.0, hysteresis=2)
 
@@ -40,14 +41,6 @@ def init():
     return params, TX.init(params)
 
 
-def assert_bitwise_equal(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape
-        np.testing.assert_array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8))
-
-
 @pytest.fixture(scope="module")
 def uninterrupted():
     return train(*init(), 0, 40)
@@ -61,8 +54,8 @@ def test_orbax_standard_checkpointer_resumes_bit_identically(tmp_path, uninterru
     with ocp.StandardCheckpointer() as checkpointer:
         restored = checkpointer.restore(tmp_path / "ckpt", target)
     assert isinstance(restored["opt_state"], ls.LossScaleState)
-    assert_bitwise_equal(restored["opt_state"], opt_state)
-    assert_bitwise_equal(train(restored["params"], restored["opt_state"], 17, 40), uninterrupted)
+    assert_trees_bitwise(restored["opt_state"], opt_state)
+    assert_trees_bitwise(train(restored["params"], restored["opt_state"], 17, 40), uninterrupted)
 
 
 def test_orbax_checkpoint_manager(tmp_path, uninterrupted):
@@ -80,15 +73,15 @@ def test_orbax_checkpoint_manager(tmp_path, uninterrupted):
             20, args=ocp.args.StandardRestore({"params": fresh_params, "opt_state": fresh_state})
         )
     assert int(ls.find_state(restored["opt_state"]).skipped_steps) == 4  # steps 3, 8, 13, 18
-    assert_bitwise_equal(train(restored["params"], restored["opt_state"], 20, 40), uninterrupted)
+    assert_trees_bitwise(train(restored["params"], restored["opt_state"], 20, 40), uninterrupted)
 
 
 def test_flax_serialization_round_trip(uninterrupted):
     params, opt_state = train(*init(), 0, 23)
     blob = serialization.to_bytes({"params": params, "opt_state": opt_state})
     restored = serialization.from_bytes({"params": init()[0], "opt_state": init()[1]}, blob)
-    assert_bitwise_equal(restored["opt_state"], opt_state)
-    assert_bitwise_equal(train(restored["params"], restored["opt_state"], 23, 40), uninterrupted)
+    assert_trees_bitwise(restored["opt_state"], opt_state)
+    assert_trees_bitwise(train(restored["params"], restored["opt_state"], 23, 40), uninterrupted)
 
 
 def test_settings_survive_tree_round_trips():
@@ -113,7 +106,7 @@ def test_wrap_opt_state_migrates_a_plain_optax_checkpoint():
     for i in range(5):
         _, plain_state = plain.update(grads_for(i * 5, params), plain_state, params)
     migrated = ls.wrap_opt_state(TX, plain_state, params)
-    assert_bitwise_equal(migrated.inner_state, plain_state)
+    assert_trees_bitwise(migrated.inner_state, plain_state)
     assert float(migrated.scale) == 2.0**6 and int(migrated.inner_state[0].count) == 5
     params, migrated = step(params, migrated, grads_for(0, params))
     assert int(migrated.inner_state[0].count) == 6

@@ -11,6 +11,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from tests import composition as c
+from tests._compare import assert_trees_close
 
 
 def _final_params(stepper, grads, step=None):
@@ -80,7 +81,7 @@ def _finite_part(x):
 
 
 def _check_like_reference(stepper, grads, params, what):
-    c.assert_params_close(params, c.reference_params(grads, stepper.skips), what)
+    assert_trees_close(params, c.reference_params(grads, stepper.skips), **c.PARAMS_CLOSE, what=what)
 
 
 # The presets' cells run in test_composition_presets.py, so that the two

@@ -20,6 +20,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import loss_scale as ls
+from tests._compare import assert_trees_close
 
 N = 4
 STEPS = 10
@@ -107,9 +108,9 @@ def assert_matches(trace, reference):
     assert trace["scale"] == reference["scale"]
     for i, (got, want) in enumerate(zip(trace["grads"], reference["grads"], strict=True)):
         if not reference["skipped"][i]:
-            jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6), got, want)
+            assert_trees_close(got, want, rtol=2e-5, atol=1e-6, what=f"grads {i}")
     for got, want in zip(trace["params"], reference["params"], strict=True):
-        jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=2e-5, atol=1e-6), got, want)
+        assert_trees_close(got, want, rtol=2e-5, atol=1e-6, what="params")
     for got, want in zip(trace["metrics"], reference["metrics"], strict=True):
         assert got.keys() == want.keys()
         for key in got:

@@ -11,6 +11,7 @@ import pytest
 
 import loss_scale as ls
 from loss_scale import equinox as lsq
+from tests._compare import assert_trees_bitwise, assert_trees_close, assert_trees_close_to_largest
 
 POLICY = ls.Policy.from_string("params=float32,compute=float16,output=float32")
 
@@ -53,14 +54,6 @@ def params_of(model):
     return eqx.filter(model, eqx.is_inexact_array)
 
 
-def assert_bitwise(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape
-        np.testing.assert_array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8))
-
-
 @pytest.mark.parametrize("has_aux", [False, True])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.float16])
 def test_gradients_are_eqx_filter_gradients_times_the_scale(dtype, has_aux):
@@ -78,21 +71,18 @@ def test_gradients_are_eqx_filter_gradients_times_the_scale(dtype, has_aux):
         eqx.filter_value_and_grad(lambda m, x, y: (fn(m, x, y)[0] if has_aux else fn(m, x, y)) * 2.0**8)
     )(model, x, y)
     loss = value[0] if has_aux else value
-    assert jax.tree.structure(grads) == jax.tree.structure(ref_grads)
-    pairs = [(loss * 2.0**8, ref_value), *zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads), strict=True)]
-    for g, r in pairs:
-        g, r = np.asarray(g, np.float64), np.asarray(r, np.float64)
-        if dtype == jnp.float32:
-            np.testing.assert_array_equal(g, r)
-        else:
-            # Two programs (the scale a runtime value in ours, a constant in the
-            # reference), which XLA fuses each its own way: their float16
-            # passes may round differently (a CPU with float16 arithmetic
-            # contracts a multiply and an add that share a kernel into one
-            # rounding). A gradient sums 64 examples of float16 products, and
-            # cancels: within 16 units of roundoff of the leaf's largest
-            # magnitude on each side (12 measured against float32), 2 * 16.
-            np.testing.assert_allclose(g, r, rtol=0, atol=32 * 2.0**-11 * np.max(np.abs(r)))
+    got, want = (loss * 2.0**8, grads), (ref_value, ref_grads)
+    if dtype == jnp.float32:
+        assert_trees_close(got, want, rtol=0, atol=0)
+    else:
+        # Two programs (the scale a runtime value in ours, a constant in the
+        # reference), which XLA fuses each its own way: their float16
+        # passes may round differently (a CPU with float16 arithmetic
+        # contracts a multiply and an add that share a kernel into one
+        # rounding). A gradient sums 64 examples of float16 products, and
+        # cancels: within 16 units of roundoff of the leaf's largest
+        # magnitude on each side (12 measured against float32), 2 * 16.
+        assert_trees_close_to_largest(got, want, rtol=32 * 2.0**-11)
     assert grads.activation is None and grads.steps_seen == 0  # non-arrays are not differentiated
 
 
@@ -144,8 +134,8 @@ def test_a_forced_overflow_leaves_model_and_state_bit_identical():
     _, grads = lsq.filter_value_and_grad(loss_fn)(opt_state, model, x.at[0, 0].set(jnp.inf), y, jnp.float16)
     new_model, new_state = eqx.filter_jit(lambda g, s, m: lsq.apply_gradients(tx, g, s, m))(grads, opt_state, model)
     assert bool(ls.find_state(new_state).skipped) and float(ls.get_scale(new_state)) == 2.0**9
-    assert_bitwise(params_of(new_model), before[0])
-    assert_bitwise(ls.find_state(new_state).inner_state, before[1])
+    assert_trees_bitwise(params_of(new_model), before[0])
+    assert_trees_bitwise(ls.find_state(new_state).inner_state, before[1])
     assert ls.metrics(new_state)["loss_scale/skipped_steps"] == 1
 
 

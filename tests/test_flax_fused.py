@@ -27,14 +27,7 @@ from flax.training import train_state
 
 import loss_scale as ls
 import loss_scale.flax as lsf
-
-
-def assert_bitwise(a, b):
-    assert jax.tree.structure(a) == jax.tree.structure(b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        x, y = np.asarray(x), np.asarray(y)
-        assert x.dtype == y.dtype and x.shape == y.shape
-        np.testing.assert_array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8))
+from tests._compare import assert_trees_bitwise
 
 
 def assert_params_within_one_rounding(ours, theirs, before):
@@ -98,17 +91,19 @@ def test_linen_train_state_is_flax_train_state_fused(inner):
         theirs = step_theirs(theirs.replace(params=ours.params, opt_state=ours.opt_state, step=ours.step), grads)
         ours = step_ours(ours, grads)
         assert type(ours) is lsf.TrainState and type(theirs) is train_state.TrainState
-        assert_bitwise((ours.opt_state, ours.step), (theirs.opt_state, theirs.step))
+        assert_trees_bitwise((ours.opt_state, ours.step), (theirs.opt_state, theirs.step))
         if i in poisoned:
-            assert_bitwise(ours.params, before)
-            assert_bitwise(theirs.params, before)
+            assert_trees_bitwise(ours.params, before)
+            assert_trees_bitwise(theirs.params, before)
         else:
             assert_params_within_one_rounding(ours.params, theirs.params, before)
     assert int(ls.find_state(ours).skipped_steps) == 3 and isinstance(ours, lsf.TrainState)
     # The function form takes the same fused step.
     x, y = next(batches(1, set()))
     _, grads = ls.value_and_grad(loss_fn)(ours.opt_state, ours.params, x, y)
-    assert_bitwise(jax.jit(lambda s: s.apply_gradients(grads=grads))(ours), jax.jit(lsf.apply_gradients)(ours, grads))
+    assert_trees_bitwise(
+        jax.jit(lambda s: s.apply_gradients(grads=grads))(ours), jax.jit(lsf.apply_gradients)(ours, grads)
+    )
 
 
 class NNXModel(nnx.Module):
@@ -149,18 +144,20 @@ def test_nnx_optimizer_is_nnx_optimizer_fused(inner):
         nnx.update(theirs, nnx.state(optimizer))
         before = nnx.as_pure(nnx.state(model, nnx.Param))
         grads = grads_of(model, optimizer.opt_state, x, y)
-        assert_bitwise(nnx.as_pure(grads), nnx.as_pure(grads_of(their_model, theirs.opt_state, x, y)))
+        assert_trees_bitwise(nnx.as_pure(grads), nnx.as_pure(grads_of(their_model, theirs.opt_state, x, y)))
         step(model, optimizer, grads)
         step(their_model, theirs, grads)
-        assert_bitwise(nnx.as_pure((optimizer.opt_state, optimizer.step)), nnx.as_pure((theirs.opt_state, theirs.step)))
-        assert_bitwise(
+        assert_trees_bitwise(
+            nnx.as_pure((optimizer.opt_state, optimizer.step)), nnx.as_pure((theirs.opt_state, theirs.step))
+        )
+        assert_trees_bitwise(
             nnx.as_pure(nnx.state(model, nnx.Not(nnx.Param))), nnx.as_pure(nnx.state(their_model, nnx.Not(nnx.Param)))
         )
         ours_params = nnx.as_pure(nnx.state(model, nnx.Param))
         their_params = nnx.as_pure(nnx.state(their_model, nnx.Param))
         if i in poisoned:
-            assert_bitwise(ours_params, before)
-            assert_bitwise(their_params, before)
+            assert_trees_bitwise(ours_params, before)
+            assert_trees_bitwise(their_params, before)
         else:
             assert_params_within_one_rounding(ours_params, their_params, before)
     assert int(lsf.find_state(optimizer).skipped_steps) == 3
@@ -172,5 +169,5 @@ def test_fused_nnx_update_returns_nothing_and_skips_write_nothing():
     before = nnx.as_pure(nnx.state(model, nnx.Param))
     grads = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan), nnx.state(model, nnx.Param))
     assert optimizer.update(model, grads) is None
-    assert_bitwise(nnx.as_pure(nnx.state(model, nnx.Param)), before)
+    assert_trees_bitwise(nnx.as_pure(nnx.state(model, nnx.Param)), before)
     assert bool(lsf.find_state(optimizer).skipped) and int(optimizer.step[...]) == 1

@@ -14,6 +14,7 @@ from flax.training import train_state  # noqa: E402
 
 import loss_scale as ls  # noqa: E402
 import loss_scale.flax as lsf  # noqa: E402
+from tests._compare import assert_trees_bitwise, assert_trees_close  # noqa: E402
 
 POLICY = ls.Policy.from_string("params=float32,compute=float16,output=float32")
 
@@ -40,10 +41,6 @@ def batch(n=32, seed=0):
 
 def pure(tree):
     return jax.tree.map(np.asarray, nnx.as_pure(tree))
-
-
-def assert_trees_equal(a, b):
-    jax.tree.map(np.testing.assert_array_equal, a, b)
 
 
 # One transformation shared by the tests, so that nnx.jit compiles the train
@@ -88,8 +85,8 @@ def test_nnx_forced_overflow_is_skipped():
     loss = train_step(model, optimizer, x.at[0, 0].set(jnp.inf), y)
 
     assert not np.isfinite(float(loss))
-    assert_trees_equal(pure(nnx.state(model, nnx.Param)), params_before)
-    assert_trees_equal(pure(optimizer.opt_state.inner_state), opt_before)
+    assert_trees_bitwise(pure(nnx.state(model, nnx.Param)), params_before)
+    assert_trees_bitwise(pure(optimizer.opt_state.inner_state), opt_before)
     state = lsf.find_state(optimizer)
     assert bool(state.skipped) and int(state.skipped_steps) == 1
     assert float(state.scale) == scale_before / 2
@@ -113,7 +110,7 @@ def test_nnx_float16_overflow_from_a_too_large_scale_backs_off():
     train_step(model, optimizer, x, y)
     state = lsf.find_state(optimizer)
     assert bool(state.skipped) and float(state.scale) == 2.0**23
-    assert_trees_equal(pure(nnx.state(model, nnx.Param)), params_before)
+    assert_trees_bitwise(pure(nnx.state(model, nnx.Param)), params_before)
     losses = [float(train_step(model, optimizer, x, y)) for _ in range(10)]
     assert 1 <= int(lsf.find_state(optimizer).skipped_steps) < 11
     assert np.isfinite(losses[-1]) and losses[-1] < losses[0]
@@ -127,7 +124,7 @@ def test_nnx_value_and_grad_is_the_gradient_of_the_scaled_loss():
     expected_loss, expected = nnx.value_and_grad(lambda m: 8.0 * cross_entropy(m, x, y))(model)
     np.testing.assert_allclose(loss * 8.0, expected_loss, rtol=1e-6)
     assert isinstance(grads, nnx.State)
-    assert_trees_equal(pure(grads), pure(expected))
+    assert_trees_bitwise(pure(grads), pure(expected))
 
 
 def test_nnx_value_and_grad_differentiates_the_optimizers_wrt_only():
@@ -157,7 +154,7 @@ def test_nnx_value_and_grad_accepts_an_opt_state_and_a_wrt_filter():
     x, y = batch()
     _, from_optimizer = lsf.nnx_value_and_grad(cross_entropy)(optimizer, model, x, y)
     _, from_state = lsf.nnx_value_and_grad(cross_entropy)(optimizer.opt_state, model, x, y)
-    assert_trees_equal(pure(from_optimizer), pure(from_state))
+    assert_trees_bitwise(pure(from_optimizer), pure(from_state))
     hidden_only = nnx.All(nnx.Param, nnx.PathContains("hidden"))
     _, partial = lsf.nnx_value_and_grad(cross_entropy, wrt=hidden_only)(optimizer, model, x, y)
     assert set(pure(partial).keys()) == {"hidden"}
@@ -250,8 +247,8 @@ def test_linen_train_state_trains_and_skips_a_forced_overflow():
     state, loss = linen_step(state, x.at[3, 1].set(jnp.nan), y)
     assert not np.isfinite(float(loss))
     params_after, opt_after = pure((state.params, state.opt_state))
-    assert_trees_equal(params_after, before[0])
-    assert_trees_equal(lsf.find_state(opt_after).inner_state, lsf.find_state(before[1]).inner_state)
+    assert_trees_bitwise(params_after, before[0])
+    assert_trees_bitwise(lsf.find_state(opt_after).inner_state, lsf.find_state(before[1]).inner_state)
     assert float(ls.get_scale(state)) == 2.0**11
     assert int(ls.find_state(state).skipped_steps) == 1
     assert int(state.step) == 9  # TrainState.step counts the skipped step too
@@ -267,7 +264,7 @@ def test_linen_fused_apply_gradients_equals_train_state_apply_gradients():
         grads = {"w": jnp.full((2, 3), 8.0 * poison), "b": jnp.arange(3.0) * 8.0}
         fused = jax.jit(lsf.apply_gradients)(state, grads)
         plain = jax.jit(lambda s, g: s.apply_gradients(grads=g))(state, grads)
-        jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), fused.params, plain.params)
+        assert_trees_close(fused.params, plain.params, rtol=1e-6, atol=1e-7)
         assert int(fused.step) == int(plain.step)
         assert float(ls.get_scale(fused)) == float(ls.get_scale(plain))
         state = fused

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import loss_scale as ls
+from tests._compare import assert_trees_close
 
 SCALE = 2.0**4
 DTYPES = ["float32", "float16", "bfloat16", "float64"]
@@ -54,22 +55,18 @@ ROUNDINGS = 16
 UNIT_ROUNDOFF = {"float16": 2.0**-11, "bfloat16": 2.0**-8}
 
 
-def assert_close(ours, theirs, dtype):
-    """Equal in 32 and 64 bits; within ``ROUNDINGS`` roundings in 16 bits."""
-    ours, theirs = np.asarray(ours, np.float64), np.asarray(theirs, np.float64)
-    if dtype in UNIT_ROUNDOFF:
-        np.testing.assert_allclose(ours, theirs, rtol=ROUNDINGS * UNIT_ROUNDOFF[dtype], atol=0)
-    else:
-        np.testing.assert_array_equal(ours, theirs)
+def rtol(dtype):
+    """The relative tolerance in ``dtype``: equal in 32 and 64 bits; within
+    ``ROUNDINGS`` roundings in 16 bits."""
+    return ROUNDINGS * UNIT_ROUNDOFF.get(dtype, 0.0)
 
 
 def assert_scaled(ours, theirs, dtype):
-    assert jax.tree.structure(ours) == jax.tree.structure(theirs)
-    for g, r in zip(jax.tree.leaves(ours), jax.tree.leaves(theirs), strict=True):
-        assert g.dtype == r.dtype and g.shape == r.shape
-        # A power-of-two scale commutes with rounding: the scaled gradients are
-        # jax's times the scale, exactly where both programs round alike.
-        assert_close(g, np.asarray(r, np.float64) * SCALE, dtype)
+    assert [g.dtype for g in jax.tree.leaves(ours)] == [r.dtype for r in jax.tree.leaves(theirs)]
+    # A power-of-two scale commutes with rounding: the scaled gradients are
+    # jax's times the scale, exactly where both programs round alike.
+    scaled = jax.tree.map(lambda r: np.asarray(r, np.float64) * SCALE, theirs)
+    assert_trees_close(ours, scaled, rtol=rtol(dtype), atol=0, check_dtypes=False)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -91,7 +88,7 @@ def test_value_and_grad_equals_jax_times_the_scale(dtype, has_aux, argnums):
         ref_value, ref_grads = jax.jit(jax.value_and_grad(fn, argnums=argnums, has_aux=has_aux))(*args, shift=0.25)
         if has_aux:
             assert int(value[1]["count"]) == 3
-        jax.tree.map(lambda v, r: assert_close(v, r, dtype), value, ref_value)
+        assert_trees_close(value, ref_value, rtol=rtol(dtype), atol=0)
         assert_scaled(grads, ref_grads, dtype)
 
 

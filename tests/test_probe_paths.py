@@ -8,7 +8,7 @@ outer ``vmap``/``jvp``/``grad``.
 Float16 comparisons: the expected peaks here are exact powers of two (a
 mean's cotangent ``scale / n`` with ``n`` a power of two, times powers of
 two), which every program computes exactly, so equality is asserted;
-gradients are compared within float16 rounding (see ``assert_f16_close``).
+gradients are compared within float16 rounding (see ``F16_CLOSE``).
 """
 
 import jax
@@ -19,6 +19,7 @@ import pytest
 from jax import lax
 
 import loss_scale as ls
+from tests._compare import assert_trees_close_to_largest
 
 F16 = jnp.float16
 
@@ -39,16 +40,13 @@ def state_at(good_steps=0, scale=1.0):
     return state._replace(good_steps=jnp.int32(good_steps), scale=jnp.float32(scale))
 
 
-def assert_f16_close(got, want, roundings=16):
-    """Equal within ``roundings`` float16 roundings (2**-11 each) of each
-    leaf's largest magnitude: the two sides are different programs, whose
-    float16 bits may differ (AVX512-FP16 CPUs differ eagerly and under jit,
-    and across fusions), by a few roundings of the forward chain and of the
-    gradients' float16 sums. A wrong binade (a factor 2) is far outside."""
-    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
-        g, w = np.asarray(g, np.float64), np.asarray(w, np.float64)
-        tol = roundings * 2.0**-11 * max(float(np.abs(w).max(initial=0.0)), np.finfo(np.float16).tiny)
-        np.testing.assert_allclose(g, w, rtol=0, atol=tol)
+# Gradients are compared within 16 float16 roundings (2**-11 each) of each
+# leaf's largest magnitude (at least float16's smallest normal): the two sides
+# are different programs, whose float16 bits may differ (AVX512-FP16 CPUs
+# differ eagerly and under jit, and across fusions), by a few roundings of the
+# forward chain and of the gradients' float16 sums. A wrong binade (a factor 2)
+# is far outside.
+F16_CLOSE = {"rtol": 16 * 2.0**-11, "floor": float(np.finfo(np.float16).tiny)}
 
 
 def brute_force_max_safe(loss_fn, *args):
@@ -106,7 +104,7 @@ def test_a_data_only_while_loop_and_pure_callback_work_as_under_jax_grad(jit, go
     state = state_at(good_steps)
     loss, grads, peak = jit(ls.value_grad_and_peak(loop_and_callback_loss, every=2))(state, W, X)
     want_loss, want_grads = jax.jit(jax.value_and_grad(lambda w: loop_and_callback_loss(w, X)))(W)
-    assert_f16_close((loss, grads), (want_loss, want_grads))
+    assert_trees_close_to_largest((loss, grads), (want_loss, want_grads), **F16_CLOSE)
     assert float(peak) == (0.125 if good_steps == 0 else 0.0)
 
 
@@ -173,7 +171,7 @@ def test_a_scans_data_only_and_unread_carries_are_not_measured(jit):
     # (cotangents 4096/32 and 1/32) are data; c is never read.
     _, grads, peak = jit(ls.value_grad_and_peak(scan_loss))(state_at(), W, X)
     assert float(peak) == 0.125
-    assert_f16_close(grads, jax.jit(jax.grad(scan_loss))(W, X))
+    assert_trees_close_to_largest(grads, jax.jit(jax.grad(scan_loss))(W, X), **F16_CLOSE)
     report = ls.range_report(scan_loss, W, X)
     scans = [r for r in report.rows if r.primitive == "scan"]
     assert [r.shape for r in scans] == [(8, 1)] and scans[0].backward_max == 2.0**15 / 8, str(report)
@@ -191,7 +189,9 @@ def test_under_an_outer_vmap_jvp_and_grad():
     _, grads, peaks = jax.jit(jax.vmap(fn, in_axes=(None, None, 0)))(state, W, xs)
     np.testing.assert_array_equal(peaks, [0.125, 0.125])
     for i in range(2):
-        assert_f16_close(grads[i], jax.grad(lambda w, i=i: loop_and_callback_loss(w, xs[i]))(W))
+        assert_trees_close_to_largest(
+            grads[i], jax.grad(lambda w, i=i: loop_and_callback_loss(w, xs[i]))(W), **F16_CLOSE
+        )
 
     # jvp with respect to the data (x's cast is an outer JVP tracer here).
     def of_x(x):
@@ -201,7 +201,7 @@ def test_under_an_outer_vmap_jvp_and_grad():
     (grads, peak), (grads_dot, peak_dot) = jax.jvp(of_x, (X,), (jnp.ones_like(X),))
     want, want_dot = jax.jvp(lambda x: jax.grad(readme_loss)(W, x), (X,), (jnp.ones_like(X),))
     assert float(peak) == 0.125 and float(peak_dot) == 0.0
-    assert_f16_close((grads, grads_dot), (want, want_dot))
+    assert_trees_close_to_largest((grads, grads_dot), (want, want_dot), **F16_CLOSE)
 
     # grad of the loss it returns, with respect to the parameters.
     def loss_and_peak(w):
@@ -210,7 +210,7 @@ def test_under_an_outer_vmap_jvp_and_grad():
 
     g, peak = jax.grad(loss_and_peak, has_aux=True)(W)
     assert float(peak) == 0.125
-    assert_f16_close(g, jax.grad(readme_loss)(W, X))
+    assert_trees_close_to_largest(g, jax.grad(readme_loss)(W, X), **F16_CLOSE)
 
 
 def test_range_report_under_a_transformation_is_refused():

@@ -10,6 +10,7 @@ import optax
 import pytest
 
 import loss_scale as ls
+from tests._compare import assert_trees_bitwise, assert_trees_close
 
 # The params below have a float16 leaf on purpose (mixed-dtype trees are what
 # the transformation must handle), so Adam-like optimizers here keep float16
@@ -41,32 +42,19 @@ def make_grads(scale, poison=None):
     return grads
 
 
-def assert_trees_bitwise_equal(a, b):
-    chex.assert_trees_all_equal_structs(a, b)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
-        assert x.dtype == y.dtype and x.shape == y.shape
-        np.testing.assert_array_equal(
-            np.atleast_1d(np.asarray(x)).view(np.uint8), np.atleast_1d(np.asarray(y)).view(np.uint8)
-        )
-
-
-def assert_trees_close_to_leaf_rounding(actual, expected, name):
-    """Equal to the rounding of each leaf's dtype: 16-bit leaves to 8 units of
-    their roundoff (4 epsilons), since a compiled update (XLA:GPU computes a
-    fused bfloat16 expression in float32 and rounds once; a CPU with float16
-    arithmetic contracts a multiply and an add into one rounding) and an
-    op-by-op one (rounds after every op) may differ by a rounding in each
-    multiply-add of a moment, which three steps carry on (3 units seen between
-    rounding every op and rounding once), and the update reads two moments:
-    2 * (3 + 1); float32 leaves to 2e-5, since XLA:GPU sums a global norm
-    (clip_by_global_norm) in another order when compiled, and Adam's moments
-    carry that difference on (8e-6 seen on an H100)."""
-    chex.assert_trees_all_equal_structs(actual, expected)
-    for x, y in zip(jax.tree.leaves(actual), jax.tree.leaves(expected), strict=True):
-        assert x.dtype == y.dtype, name
-        inexact = jnp.issubdtype(x.dtype, jnp.inexact)
-        rtol = 4 * float(jnp.finfo(x.dtype).eps) if inexact and jnp.finfo(x.dtype).bits < 32 else 2e-5
-        np.testing.assert_allclose(np.asarray(x, np.float64), np.asarray(y, np.float64), rtol=rtol, err_msg=name)
+def leaf_rounding(dtype):
+    """The relative tolerance of a leaf of ``dtype``, to its dtype's rounding:
+    16-bit leaves to 8 units of their roundoff (4 epsilons), since a compiled
+    update (XLA:GPU computes a fused bfloat16 expression in float32 and rounds
+    once; a CPU with float16 arithmetic contracts a multiply and an add into
+    one rounding) and an op-by-op one (rounds after every op) may differ by a
+    rounding in each multiply-add of a moment, which three steps carry on (3
+    units seen between rounding every op and rounding once), and the update
+    reads two moments: 2 * (3 + 1); float32 leaves to 2e-5, since XLA:GPU sums
+    a global norm (clip_by_global_norm) in another order when compiled, and
+    Adam's moments carry that difference on (8e-6 seen on an H100)."""
+    inexact = jnp.issubdtype(dtype, jnp.inexact)
+    return 4 * float(jnp.finfo(dtype).eps) if inexact and jnp.finfo(dtype).bits < 32 else 2e-5
 
 
 INNERS = {
@@ -90,8 +78,8 @@ def test_clean_step_equals_inner_update_on_unscaled_grads(name, jit):
         grads = make_grads(ls.get_scale(state))
         updates, state = update(grads, state, params)
         expected, inner_state = inner_update(ls.unscale(grads, state), inner_state, params)
-        assert_trees_close_to_leaf_rounding(updates, expected, name)
-        assert_trees_close_to_leaf_rounding(state.inner_state, inner_state, name)
+        assert_trees_close(updates, expected, rtol=leaf_rounding, atol=0, what=name)
+        assert_trees_close(state.inner_state, inner_state, rtol=leaf_rounding, atol=0, what=name)
         params = optax.apply_updates(params, updates)
     assert int(state.good_steps) == 3 and not bool(state.skipped)
 
@@ -113,10 +101,10 @@ def test_skipped_step_leaves_everything_untouched(name, poison, jit):
     params = optax.apply_updates(params, updates)
     before = state
     updates, state = update(make_grads(ls.get_scale(state), poison), state, params)
-    assert_trees_bitwise_equal(state.inner_state, before.inner_state)
-    assert_trees_bitwise_equal(updates, jax.tree.map(jnp.zeros_like, params))
+    assert_trees_bitwise(state.inner_state, before.inner_state)
+    assert_trees_bitwise(updates, jax.tree.map(jnp.zeros_like, params))
     new_params = optax.apply_updates(params, updates)
-    assert_trees_bitwise_equal(new_params, params)
+    assert_trees_bitwise(new_params, params)
     assert bool(state.skipped), name
     assert float(state.scale) == 2.0**11
     assert (int(state.good_steps), int(state.skipped_steps), int(state.consecutive_skips)) == (0, 1, 1)
@@ -139,7 +127,7 @@ def test_static_skips_but_never_moves_the_scale(jit):
         assert float(state.scale) == 256.0
         assert bool(state.skipped) == (poison is not None)
         if poison is not None:
-            assert_trees_bitwise_equal(state.inner_state, before)
+            assert_trees_bitwise(state.inner_state, before)
     assert int(state.good_steps) == 2 and int(state.skipped_steps) == 1
 
 
@@ -217,8 +205,8 @@ def test_inner_update_that_widens_its_state_works_as_in_plain_optax(name):
             # Skipped: the state as it was (in the dtype the update gives it, exactly).
             assert bool(state.skipped)
             widened = jax.tree.map(lambda old, new: old.astype(new.dtype), before, state.inner_state)
-            assert_trees_bitwise_equal(state.inner_state, widened)
-            assert_trees_bitwise_equal(state.inner_state, inner_state)
+            assert_trees_bitwise(state.inner_state, widened)
+            assert_trees_bitwise(state.inner_state, inner_state)
 
 
 @pytest.mark.parametrize("poison", [1.0, jnp.nan])
@@ -459,16 +447,15 @@ def test_apply_gradients_equals_update_then_apply(poison):
         # one ulp of the float16 and bfloat16 leaves). The state exactly: from
         # the initial, zero state each moment is one rounded product in either
         # program, a contracted multiply-add included.
-        for fused_leaf, ref_leaf in zip(jax.tree.leaves(fused_params), jax.tree.leaves(ref_params), strict=True):
-            assert fused_leaf.dtype == ref_leaf.dtype
-            eps = float(jnp.finfo(fused_leaf.dtype).eps)
-            rtol, atol = (eps, 0.0) if jnp.finfo(fused_leaf.dtype).bits == 16 else (1e-6, 1e-7)
-            np.testing.assert_allclose(
-                np.asarray(fused_leaf, np.float64), np.asarray(ref_leaf, np.float64), rtol=rtol, atol=atol
-            )
-        assert_trees_bitwise_equal(fused_state, ref_state)
+        assert_trees_close(
+            fused_params,
+            ref_params,
+            rtol=lambda dtype: float(jnp.finfo(dtype).eps) if jnp.finfo(dtype).bits == 16 else 1e-6,
+            atol=lambda dtype: 0.0 if jnp.finfo(dtype).bits == 16 else 1e-7,
+        )
+        assert_trees_bitwise(fused_state, ref_state)
         if poison != 1.0 and bool(ls.find_state(fused_state).skipped):  # no_op does not check
-            assert_trees_bitwise_equal(fused_params, params)
+            assert_trees_bitwise(fused_params, params)
 
 
 def test_apply_gradients_with_donation_and_a_skip():
@@ -480,7 +467,7 @@ def test_apply_gradients_with_donation_and_a_skip():
     snapshot = jax.tree.map(np.asarray, params)
     params, state = step(params, state, make_grads(2.0**11, ("bf", jnp.nan)))
     assert bool(state.skipped)
-    jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, params), snapshot)
+    assert_trees_bitwise(params, snapshot)
 
 
 def test_nested_loss_scaling_is_refused():
@@ -504,8 +491,8 @@ def test_the_transformation_is_an_optax_transformation_with_its_fused_step():
     grads = {"w": jnp.array([4.0, 8.0])}
     fused = tx.apply_gradients(grads, init(params), params)
     updates, state = update(grads, init(params), params)
-    assert_trees_bitwise_equal(fused, (optax.apply_updates(params, updates), state))
-    assert_trees_bitwise_equal(ls.apply_gradients(tx, grads, init(params), params), fused)
+    assert_trees_bitwise(fused, (optax.apply_updates(params, updates), state))
+    assert_trees_bitwise(ls.apply_gradients(tx, grads, init(params), params), fused)
 
 
 def test_inject_hyperparams_learning_rate_is_reachable_through_the_state():
