@@ -11,20 +11,19 @@ Examples:
 from loss_scale import presets
 from loss_scale._check import all_finite
 from loss_scale._errors import Float16StateWarning, SkippedStepsError, check_skips
+from loss_scale._factories import dynamic, no_op, predictive, static
+from loss_scale._find import find_state
 from loss_scale._fused import apply_gradients
-from loss_scale._grad import find_state, get_scale, scale_loss, unscale, value_and_grad
+from loss_scale._grad import get_scale, scale_loss, unscale, value_and_grad
 from loss_scale._metrics import metrics, overflow_paths
-from loss_scale._migrate import wrap_opt_state
+from loss_scale._migrate import migrate_state, wrap_opt_state
 from loss_scale._peak import value_grad_and_peak
 from loss_scale._precision import Policy, for_dtype
 from loss_scale._range_report import RangeReport, RangeRow, range_report
-from loss_scale._rules.dynamic import dynamic
-from loss_scale._rules.predictive import predictive
-from loss_scale._rules.static import no_op, static
-from loss_scale._state import LossScaleState
-from loss_scale._transform import LossScaleTransformation
+from loss_scale._state import LossScaleState, SkipReason, StepRecord
+from loss_scale._update import LossScaleTransformation
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "Float16StateWarning",
@@ -33,7 +32,9 @@ __all__ = [
     "Policy",
     "RangeReport",
     "RangeRow",
+    "SkipReason",
     "SkippedStepsError",
+    "StepRecord",
     "all_finite",
     "apply_gradients",
     "check_skips",
@@ -42,6 +43,7 @@ __all__ = [
     "for_dtype",
     "get_scale",
     "metrics",
+    "migrate_state",
     "no_op",
     "overflow_paths",
     "predictive",

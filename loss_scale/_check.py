@@ -16,7 +16,7 @@ import numpy as np
 
 from loss_scale._sharding import axis_names, varying_axes
 from loss_scale._types import AxisName, PyTree
-from loss_scale._unscale import compute_dtype, is_float_leaf, unscale_leaf
+from loss_scale._unscale import is_float_leaf, unscale_dtype, unscale_leaf
 
 
 def _magnitude(x: jax.Array) -> jax.Array:
@@ -205,7 +205,7 @@ def gradient_stats(
         if with_norm or with_underflow:
             row = []
             if with_norm:
-                unscaled = unscale_leaf(values, scale).astype(compute_dtype(values.dtype))  # as the inner sees it
+                unscaled = unscale_leaf(values, scale).astype(unscale_dtype(values.dtype))  # as the inner sees it
                 # Non-finite elements are left out of the differentiable sum
                 # and the norm made inf below: squaring an inf would put
                 # 0 * inf = nan into the gradient of an update differentiated

@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from loss_scale._grad import find_state
+from loss_scale._find import find_state
 from loss_scale._state import LossScaleState
 from loss_scale._types import PyTree
 
@@ -140,7 +140,7 @@ def check_skips(opt_state: PyTree, max_consecutive_skips: int) -> None:
     if stuck.size == 0:
         return
     index = np.unravel_index(stuck[0], skips.shape)
-    located = state.stats.nonfinite_leaves
+    located = state.record.nonfinite_leaves
     bad = None if located is None else [str(i) for i in np.flatnonzero(np.asarray(located)[index])]
     message = skipped_steps_message(
         int(skips[index]),

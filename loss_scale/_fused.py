@@ -6,7 +6,7 @@ from typing import Any
 
 import optax
 
-from loss_scale._transform import LossScaleTransformation
+from loss_scale._update import LossScaleTransformation
 
 
 def apply_gradients(

@@ -1,145 +1,18 @@
-"""Gradients with a loss scale: finding the state, scaling, unscaling."""
+"""Gradients with a loss scale: scaling the loss, differentiating it, unscaling."""
 
 from __future__ import annotations
 
-import functools
-import inspect
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
+from loss_scale._find import find_state, state_argument
 from loss_scale._sharding import axis_names, varying_axes
-from loss_scale._state import LossScaleState
+from loss_scale._signatures import named_after, need_arguments, takes_first
 from loss_scale._types import AxisName, PyTree
-from loss_scale._unscale import compute_dtype, unscale_tree
-
-
-def _is_state(x: Any) -> bool:
-    return isinstance(x, LossScaleState)
-
-
-def find_state(opt_state: PyTree) -> LossScaleState:
-    """The ``LossScaleState`` inside a (possibly nested) optimizer state.
-
-    Searches any pytree: ``optax.chain`` tuples, ``optax.MultiSteps`` and
-    ``optax.inject_hyperparams`` states, a flax ``TrainState`` or its
-    ``opt_state``, an ``nnx.Optimizer``'s state.
-
-    Args:
-      opt_state: an optimizer state that contains exactly one loss-scale state.
-
-    Returns:
-      The loss-scale state.
-
-    Raises:
-      ValueError: when there is none, or more than one.
-
-    Examples:
-      >>> import optax, jax.numpy as jnp, loss_scale as ls
-      >>> tx = optax.chain(optax.clip(1.0), ls.dynamic(optax.sgd(0.1)))
-      >>> ls.find_state(tx.init(jnp.zeros(3))).good_steps
-      Array(0, dtype=int32)
-    """
-    if _is_state(opt_state):
-        return opt_state
-    found = [x for x in jax.tree.leaves(opt_state, is_leaf=_is_state) if _is_state(x)]
-    if not found:
-        raise ValueError(
-            "no LossScaleState found in what was passed: expected the optimizer state (opt_state = "
-            "tx.init(params), with tx built by loss_scale.dynamic, loss_scale.static or loss_scale.no_op), "
-            f"got {describe(opt_state)}"
-        )
-    if len(found) > 1:
-        raise ValueError(
-            f"found {len(found)} LossScaleStates in the given optimizer state; "
-            "pass the part of the state that holds the one you mean"
-        )
-    return found[0]
-
-
-def state_argument(
-    opt_state: PyTree, call: str, expected: str = "the optimizer state (opt_state = tx.init(params))"
-) -> LossScaleState:
-    """``find_state(opt_state)`` for the first argument of ``call``, whose
-    error says that the first argument must be ``expected``: forgetting it
-    (``value_and_grad(fun)(params, x)``) is the commonest slip."""
-    try:
-        return find_state(opt_state)
-    except ValueError:
-        if _has_optimizer_state(opt_state):
-            raise
-    raise ValueError(
-        f"{call}: the first argument must be {expected}, of an optimizer built with loss_scale.dynamic, "
-        f"loss_scale.static or loss_scale.no_op; got {describe(opt_state)}"
-    ) from None
-
-
-def need_arguments(args: tuple, names: Sequence[str], call: str) -> None:
-    """Raises a ``TypeError`` naming ``call`` (``"value_and_grad(fun)(opt_state,
-    *args)"``) when fewer positional arguments than ``names`` were passed: a
-    wrapper named after the user's function would otherwise raise Python's
-    error about that function."""
-    if len(args) < len(names):
-        missing = ", ".join(names[len(args) :])
-        raise TypeError(
-            f"{call} got {len(args)} positional argument{'' if len(args) == 1 else 's'}, missing {missing}: "
-            f"{names[0]} comes first, then the function's own arguments"
-        )
-
-
-def takes_first(wrapper: Callable, names: Sequence[str]) -> Callable:
-    """Gives ``wrapper(*args, **kwargs)`` the signature ``(names..., *args,
-    **kwargs)``, which ``inspect.signature`` (and so ``eqx.filter_jit`` and
-    IDEs) reports."""
-    first = [inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD) for name in names]
-    rest = [
-        inspect.Parameter("args", inspect.Parameter.VAR_POSITIONAL),
-        inspect.Parameter("kwargs", inspect.Parameter.VAR_KEYWORD),
-    ]
-    wrapper.__signature__ = inspect.Signature([*first, *rest])  # type: ignore[attr-defined]
-    return wrapper
-
-
-def describe(tree: Any) -> str:
-    """A short description of what was passed where an optimizer state was
-    expected: ``"a dict of 2 arrays (float32), which looks like parameters, a
-    model or a batch"``, ``"an optimizer state that has no loss-scale state
-    (ScaleByAdamState, EmptyState)"``."""
-    if tree is None:
-        return "None"
-    kind = type(tree).__name__
-    article = "an" if kind[:1].lower() in "aeiou" else "a"
-    if _has_optimizer_state(tree):
-        parts = sorted({type(x).__name__ for x in jax.tree.leaves(tree, is_leaf=_is_named_tuple) if _is_named_tuple(x)})
-        return (
-            f"{article} {kind}: an optimizer state that has no loss-scale state ({', '.join(parts)}); wrap the "
-            "optimizer, tx = loss_scale.dynamic(tx), and make the state with the wrapped tx.init(params)"
-        )
-    leaves = jax.tree.leaves(tree)
-    if hasattr(tree, "shape") and hasattr(tree, "dtype"):
-        dtype = str(tree.dtype)
-        article = "an" if dtype[0] in "aeiou" else "a"
-        return f"{article} {dtype} array of shape {tuple(tree.shape)}, which looks like a parameter or a batch"
-    dtypes = sorted({str(x.dtype) for x in leaves if hasattr(x, "dtype")})
-    arrays = sum(hasattr(x, "dtype") for x in leaves)
-    if not arrays:
-        return f"{article} {kind}"
-    return (
-        f"{article} {kind} of {arrays} array{'s' if arrays > 1 else ''} ({', '.join(dtypes)}), "
-        "which looks like parameters, a model or a batch"
-    )
-
-
-def _is_named_tuple(x: Any) -> bool:
-    return isinstance(x, tuple) and hasattr(x, "_fields")
-
-
-def _has_optimizer_state(tree: Any) -> bool:
-    """Whether ``tree`` holds an optax state (a NamedTuple: ``EmptyState``,
-    ``ScaleByAdamState``...), as parameters and batches do not."""
-    return any(_is_named_tuple(x) for x in jax.tree.leaves(tree, is_leaf=_is_named_tuple))
+from loss_scale._unscale import unscale_dtype, unscale_tree
 
 
 def get_scale(opt_state: PyTree) -> jax.Array:
@@ -163,7 +36,7 @@ def scale_loss(loss: jax.Array, opt_state: PyTree) -> jax.Array:
     """
     scale = jax.lax.stop_gradient(get_scale(opt_state))
     loss = jnp.asarray(loss)
-    return loss.astype(compute_dtype(loss.dtype)) * scale
+    return loss.astype(unscale_dtype(loss.dtype)) * scale
 
 
 def unscale(grads: PyTree, opt_state: PyTree) -> PyTree:
@@ -266,20 +139,6 @@ def data_parallel_objective(
     return scaled, averaged
 
 
-def named_after(fun: Callable) -> Callable[[Callable], Callable]:
-    """Gives a wrapper ``fun``'s name and docstring, but not its signature:
-    the wrapper takes the optimizer state first, and ``functools.wraps``'
-    ``__wrapped__`` would make ``inspect.signature`` (which ``eqx.filter_jit``
-    and IDEs read) report ``fun``'s."""
-
-    def name(wrapper: Callable) -> Callable:
-        functools.update_wrapper(wrapper, fun, updated=())
-        del wrapper.__wrapped__
-        return wrapper
-
-    return name
-
-
 def scaled_objective(
     fun: Callable[..., Any], has_aux: bool, scale: jax.Array, mean_over: AxisName | None = None
 ) -> Callable[..., tuple[jax.Array, Any]]:
@@ -335,7 +194,7 @@ def _checked_loss(loss: Any) -> jax.Array:
             "grad requires real-valued outputs (output dtype that is a sub-dtype of np.floating), "
             f"but got {loss.dtype.name}. {hint}"
         )
-    return loss.astype(compute_dtype(loss.dtype))
+    return loss.astype(unscale_dtype(loss.dtype))
 
 
 def _typed(axis_name: AxisName) -> bool:

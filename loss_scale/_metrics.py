@@ -4,21 +4,8 @@ from __future__ import annotations
 
 import jax
 
-from loss_scale._grad import find_state
+from loss_scale._find import find_state
 from loss_scale._types import PyTree
-
-_SCALARS = (
-    "scale",
-    "skipped",
-    "skipped_steps",
-    "consecutive_skips",
-    "good_steps",
-    "growths",
-    "backoffs",
-    "steps_at_min",
-    "skip_reason",
-    "nonfinite_losses",
-)
 
 
 def metrics(opt_state: PyTree, prefix: str = "loss_scale/") -> dict[str, jax.Array]:
@@ -48,9 +35,9 @@ def metrics(opt_state: PyTree, prefix: str = "loss_scale/") -> dict[str, jax.Arr
       (4.0, 1)
     """
     state = find_state(opt_state)
-    stats = state.stats._asdict()
-    del stats["nonfinite_leaves"]  # one flag per leaf, not a scalar: see overflow_paths
-    values = {name: getattr(state, name) for name in _SCALARS} | stats | state.counters._asdict()
+    record = state.record._asdict()
+    del record["nonfinite_leaves"]  # one flag per leaf, not a scalar: see overflow_paths
+    values = {"scale": state.scale, "good_steps": state.good_steps} | record | state.counters._asdict()
     return {prefix + name: value for name, value in values.items() if value is not None}
 
 
@@ -79,9 +66,9 @@ def overflow_paths(opt_state: PyTree, grads_like: PyTree) -> list[str]:
       ["['dense']['b']"]
     """
     state = find_state(opt_state)
-    if state.stats.nonfinite_leaves is None:
+    if state.record.nonfinite_leaves is None:
         raise ValueError("overflow_paths needs the transformation built with locate_overflows=True")
-    flags = jax.device_get(state.stats.nonfinite_leaves)
+    flags = jax.device_get(state.record.nonfinite_leaves)
     paths = [path for path, _ in jax.tree_util.tree_flatten_with_path(grads_like)[0]]
     if len(paths) != flags.shape[0]:
         raise ValueError(f"grads_like has {len(paths)} leaves, the state tracks {flags.shape[0]}")

@@ -19,13 +19,14 @@ from collections.abc import Callable, Hashable, Mapping
 from typing import Annotated, Any, TypedDict, get_type_hints
 
 from loss_scale import _validate as validate
+from loss_scale._settings import Settings
 
 if sys.version_info >= (3, 11):
     from typing import Unpack
 else:  # pragma: no cover
     from typing_extensions import Unpack
 
-__all__ = ["OPTIONS", "Option", "Options", "Settings", "Unpack", "settings_from", "takes_options"]
+__all__ = ["OPTIONS", "Option", "Options", "Unpack", "settings_from", "takes_options"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,8 +104,9 @@ class Options(TypedDict, total=False):
             False,
             validate.flag,
             "with the loss passed as ``tx.update(..., value=loss)``, a non-finite loss is a forward failure: the "
-            "step is skipped and counted apart (``skip_reason`` 2, ``nonfinite_losses``), and by default the "
-            "scale is left as it was, since a smaller scale cannot make the forward pass finite; ``True`` backs "
+            "step is skipped and counted apart (``skip_reason`` 2, ``SkipReason.NONFINITE_LOSS``; "
+            "``nonfinite_losses``), and by default the scale is left as it was, since a smaller scale cannot "
+            "make the forward pass finite; ``True`` backs "
             "it off as for an overflow.",
         ),
     ]
@@ -127,25 +129,6 @@ def _declared() -> dict[str, tuple[Any, Option]]:
 
 
 OPTIONS: Mapping[str, Option] = types.MappingProxyType({name: option for name, (_, option) in _declared().items()})
-
-
-@dataclasses.dataclass(frozen=True)
-class Settings:
-    """Validated options, and whether the update skips non-finite steps at
-    all (``no_op`` does not, by default: it still measures the statistics,
-    and clips with ``max_grad_norm``)."""
-
-    options: Mapping[str, Any]
-    check_finite: bool = True
-
-    def __getattr__(self, name: str) -> Any:
-        if name in OPTIONS:
-            return self.options[name]
-        raise AttributeError(name)
-
-    @property
-    def with_norm(self) -> bool:
-        return self.options["track_grad_norm"] or self.options["max_grad_norm"] is not None
 
 
 def settings_from(
@@ -173,7 +156,7 @@ def settings_from(
                     f"which acts on skipped steps only, would never take effect: pass skip_nonfinite=True "
                     f"(non-finite steps are then skipped) or leave {name} out"
                 )
-    return Settings(types.MappingProxyType(values), check_finite=check_finite)
+    return Settings(**values, check_finite=check_finite)
 
 
 # Options that act on skipped steps only: refused where no step is skipped

@@ -25,9 +25,11 @@ import jax.numpy as jnp
 
 from loss_scale import _validate as validate
 from loss_scale._check import largest_magnitude
-from loss_scale._grad import data_parallel_objective, named_after, state_argument
+from loss_scale._find import state_argument
+from loss_scale._grad import data_parallel_objective
 from loss_scale._probe import Evaluator, on_paths
 from loss_scale._sharding import axis_names, vary_along, varying_axes
+from loss_scale._signatures import named_after
 from loss_scale._types import AxisName, PyTree
 
 

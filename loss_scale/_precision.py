@@ -29,9 +29,8 @@ import numpy as np
 import optax
 
 from loss_scale import _validate as validate
+from loss_scale._factories import dynamic, unscaled
 from loss_scale._options import OPTIONS
-from loss_scale._rules.dynamic import dynamic
-from loss_scale._rules.static import unscaled
 from loss_scale._types import PyTree
 
 DTypeLike = Any

@@ -31,7 +31,7 @@ import numpy as np
 from loss_scale._check import largest_magnitude, peak_and_finite
 from loss_scale._probe import Evaluator, is_probed, on_paths
 from loss_scale._types import PyTree
-from loss_scale._unscale import compute_dtype as _at_least_float32
+from loss_scale._unscale import unscale_dtype as _at_least_float32
 from loss_scale._validate import floating_dtype
 
 

@@ -18,7 +18,7 @@ def is_float_leaf(x: jax.Array) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.inexact)
 
 
-def compute_dtype(dtype: jnp.dtype) -> jnp.dtype:
+def unscale_dtype(dtype: jnp.dtype) -> jnp.dtype:
     """The dtype in which a leaf of ``dtype`` is unscaled: at least float32.
 
     8- and 16-bit gradients are divided in float32 so that the division
@@ -47,7 +47,7 @@ def _factors(scale: jax.Array, dtype: jnp.dtype) -> tuple[jax.Array, jax.Array]:
 
 
 def unscaled_value(x: jax.Array, scale: jax.Array, factors: tuple[jax.Array, jax.Array] | None = None) -> jax.Array:
-    """``x / scale`` in ``compute_dtype(x.dtype)`` (at least float32), as
+    """``x / scale`` in ``unscale_dtype(x.dtype)`` (at least float32), as
     ``x * (1 / scale)`` with the reciprocal rounded to that dtype: torch's
     unscale, bit for bit.
 
@@ -56,10 +56,10 @@ def unscaled_value(x: jax.Array, scale: jax.Array, factors: tuple[jax.Array, jax
     the reciprocal normal. Its first product is at most ``|x| * 2**-62``, so
     no intermediate overflows (a split such as ``x * (4 / s) * 0.25`` would,
     for ``1 < s < 4`` and ``|x|`` near the dtype's largest value).
-    ``factors``, from ``_factors(scale, compute_dtype(x.dtype))``, saves
+    ``factors``, from ``_factors(scale, unscale_dtype(x.dtype))``, saves
     recomputing them.
     """
-    dtype = compute_dtype(x.dtype)
+    dtype = unscale_dtype(x.dtype)
     reciprocal, correction = factors if factors is not None else _factors(scale, dtype)
     return x.astype(dtype) * reciprocal * correction
 
@@ -80,7 +80,7 @@ def unscale_tree(tree: PyTree, scale: jax.Array, clip_factor: jax.Array | None =
     def leaf(x):
         if not is_float_leaf(x):
             return x
-        dtype = compute_dtype(x.dtype)
+        dtype = unscale_dtype(x.dtype)
         if dtype not in factors:
             factors[dtype] = _factors(scale, dtype)
         value = unscaled_value(x, scale, factors[dtype])

@@ -31,12 +31,12 @@ import equinox as eqx
 import jax
 import optax
 
+from loss_scale._find import state_argument as _state_argument
 from loss_scale._fused import apply_gradients as _apply_gradients
-from loss_scale._grad import named_after as _named_after
-from loss_scale._grad import need_arguments as _need_arguments
 from loss_scale._grad import scaled_objective
-from loss_scale._grad import state_argument as _state_argument
-from loss_scale._grad import takes_first as _takes_first
+from loss_scale._signatures import named_after as _named_after
+from loss_scale._signatures import need_arguments as _need_arguments
+from loss_scale._signatures import takes_first as _takes_first
 from loss_scale._types import PyTree
 
 __all__ = ["apply_gradients", "filter_value_and_grad"]

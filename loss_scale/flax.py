@@ -45,14 +45,14 @@ import jax
 from flax import nnx
 from flax.training import train_state
 
+from loss_scale._find import find_state as _find_state
+from loss_scale._find import state_argument as _state_argument
 from loss_scale._fused import apply_gradients as _apply_gradients
-from loss_scale._grad import find_state as _find_state
-from loss_scale._grad import named_after as _named_after
-from loss_scale._grad import need_arguments as _need_arguments
 from loss_scale._grad import scaled_objective
-from loss_scale._grad import state_argument as _state_argument
-from loss_scale._grad import takes_first as _takes_first
 from loss_scale._metrics import metrics as _metrics
+from loss_scale._signatures import named_after as _named_after
+from loss_scale._signatures import need_arguments as _need_arguments
+from loss_scale._signatures import takes_first as _takes_first
 from loss_scale._state import LossScaleState
 from loss_scale._types import PyTree
 

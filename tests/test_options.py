@@ -48,8 +48,8 @@ def test_every_option_reaches_the_transformation(name):
     args = (optax.sgd(0.1), 2.0) if name == "static" else (optax.sgd(0.1),)
     params = {"w": jnp.zeros(2)}
     state = function(*args, track_grad_norm=True, locate_overflows=True, track_underflow=True).init(params)
-    assert state.stats.grad_norm is not None and state.stats.zero_fraction is not None
-    assert state.stats.nonfinite_leaves.shape == (1,)
+    assert state.record.grad_norm is not None and state.record.zero_fraction is not None
+    assert state.record.nonfinite_leaves.shape == (1,)
     with pytest.raises(TypeError, match="unexpected keyword argument 'track_grad_nrom'"):
         function(*args, track_grad_nrom=True)
 

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from loss_scale._rules import FloorAtMinScale, RuleState
+from loss_scale._saturating import increment
 
 
 class CerebrasCounters(NamedTuple):
@@ -70,8 +71,8 @@ class CerebrasRule(FloorAtMinScale):
     ) -> RuleState:
         del grad_max, backward_peak  # a reactive rule
         scale, clean, (overflows,) = state
-        clean = clean + finite.astype(jnp.int32)
-        overflows = overflows + jnp.logical_not(finite).astype(jnp.int32)
+        clean = increment(clean, finite)
+        overflows = increment(overflows, jnp.logical_not(finite))
         steps = clean + overflows
 
         # Decrease: the fraction of overflows since the last change, in float32.

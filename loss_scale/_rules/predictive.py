@@ -4,17 +4,13 @@
 from __future__ import annotations
 
 import dataclasses
-import math
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from loss_scale import _validate as validate
-from loss_scale._options import Options, Unpack, settings_from, takes_options
 from loss_scale._rules import FloorAtMinScale, RuleState, select
-from loss_scale._transform import LossScaleTransformation, loss_scaled
+from loss_scale._saturating import increment
 
 
 class PredictiveCounters(NamedTuple):
@@ -189,7 +185,7 @@ class PredictiveRule(FloorAtMinScale):
         # Clean step.
         grad_max = jnp.where(finite, grad_max, 0)
         new_peak = jnp.maximum(grad_max, peak * jnp.float32(2.0 ** (-1.0 / self.peak_half_life)))
-        clean_steps = good_steps + 1
+        clean_steps = increment(good_steps)
         relax = (searching & known) | (clean_steps >= self.headroom_interval)
         # A measured H is not probed: its extra margin relaxes instead, and
         # the next step (good_steps 0) measures again.
@@ -223,7 +219,7 @@ class PredictiveRule(FloorAtMinScale):
         # below it and one of margin. Later overflows add one.
         learned = jnp.where(first & known, jnp.maximum(headroom, had) + 1 + searching.astype(jnp.int32), headroom)
         # The n-th overflow in a row backs off by 2**-(2**(n-1)): 2, 4, 16, 256, ...
-        run = run_so_far + 1
+        run = increment(run_so_far)
         shrunk = scale * _pow2(-jnp.left_shift(1, jnp.minimum(run - 1, 7)))
         shrunk = jnp.where(first & known, jnp.minimum(shrunk, self.target(peak, learned)), shrunk)
         shrunk = jnp.where(known, shrunk, jnp.float32(self.min_scale))
@@ -235,7 +231,7 @@ class PredictiveRule(FloorAtMinScale):
                 grad_peak=peak,
                 searching=searching & ~known,
                 overflow_run=run.astype(jnp.int32),
-                extra_headroom=(extra + (first & known & measured).astype(jnp.int32)).astype(jnp.int32),
+                extra_headroom=increment(extra, first & known & measured),
                 measured=measured,
             ),
         )
@@ -264,108 +260,3 @@ class PredictiveRule(FloorAtMinScale):
             ),
         )
         return select(measured, at_measured, clean)
-
-
-@takes_options()
-def predictive(
-    inner: optax.GradientTransformation,
-    initial_scale: float = 2.0**15,
-    min_headroom: int = 1,
-    headroom_interval: int = 20000,
-    peak_half_life: float = 100.0,
-    min_scale: float = 1.0,
-    max_scale: float = 2.0**24,
-    initial_headroom: int = 12,
-    compute_dtype: Any = "float16",
-    **options: Unpack[Options],
-) -> LossScaleTransformation:
-    """Loss scaling that aims the scale at the recent gradient peak.
-
-    The update is ``dynamic``'s (unscale in float32, check, skip the whole
-    inner update on overflow); only the rule that moves the scale differs.
-    Where ``dynamic`` reacts (it halves after an overflow and doubles after
-    ``growth_interval`` clean steps), this rule predicts: from the largest
-    gradient magnitude of every step, which the finite check computes anyway,
-    it keeps a running peak (``grad_peak``, halving every ``peak_half_life``
-    steps) and sets the scale to the power of two that puts that peak
-    ``headroom`` binades below the largest float16 value. The scale follows
-    the gradients down and up within steps, so it backs off before a slow
-    rise of the gradients overflows and grows as soon as they shrink.
-
-    The headroom learns how much larger than the parameter gradients the
-    float16 values of the backward pass get. The first clean step measures
-    how far below the float16 maximum its gradients were (at most
-    ``initial_headroom`` counts); from there the scale climbs one binade a
-    clean step until the first overflow, which sets the headroom two binades
-    above what the scale had then (one skipped step), or until
-    ``min_headroom`` is reached. After that the headroom drops by one every
-    ``headroom_interval`` clean steps (a probe that may cost a skip; torch's
-    rule probes every 2000 steps). Overflows in a row back off by 2, 4, 16,
-    256, ...; an overflow before any clean step drops the scale to
-    ``min_scale``. Every rule of the update is in
-    ``loss_scale/_rules/predictive.py``'s ``PredictiveRule``.
-
-    With the backward pass measured (``loss_scale.value_grad_and_peak``
-    and ``tx.update(..., backward_peak=peak)``), the headroom is set from
-    the measured largest value of the whole backward pass instead of learned
-    by overflowing: the scale moves to where that value, rescaled, keeps
-    ``min_headroom`` binades below the float16 maximum, in either direction,
-    on every measuring step. Start at ``initial_scale=1.0`` then: the first
-    step measures at a scale that cannot overflow.
-
-    Args:
-      inner: the optimizer to wrap.
-      initial_scale: the scale of the first step (as ``dynamic``'s).
-      min_headroom: the smallest margin, in powers of two, kept between the
-        predicted largest scaled value and the dtype's largest value.
-      headroom_interval: clean steps in a row after which the headroom drops
-        by one, >= 1.
-      peak_half_life: steps over which a past gradient peak counts half as
-        much, >= 1.
-      min_scale: floor of the scale, > 0.
-      max_scale: ceiling of the scale, may be ``inf``.
-      initial_headroom: the most headroom the first measurement keeps,
-        >= ``min_headroom``: an upper bound on how much larger than the
-        parameter gradients the backward pass's values may get.
-      compute_dtype: the dtype of the backward pass, whose largest value is
-        the overflow threshold (float16: 65504).
-      **options: the keyword options.
-
-    Returns:
-      A ``LossScaleTransformation`` whose state is a ``LossScaleState`` with
-      ``PredictiveCounters`` (``headroom``, ``grad_peak``, ...).
-
-    Examples:
-      >>> import jax.numpy as jnp, optax, loss_scale as ls
-      >>> tx = ls.predictive(optax.sgd(0.1))
-      >>> state = tx.init(jnp.zeros(2))
-      >>> for _ in range(3):  # gradients of loss * scale; the largest unscaled one is 2**-8
-      ...     _, state = tx.update(jnp.array([2.0**-8, 0.0]) * state.scale, state)
-      ...     print(float(state.scale), int(state.headroom))
-      32768.0 8
-      65536.0 7
-      131072.0 6
-    """
-    initial = validate.scale("initial_scale", initial_scale)
-    minimum = validate.scale("min_scale", min_scale)
-    maximum = validate.scale("max_scale", max_scale, allow_inf=True)
-    validate.scale_bounds(("initial_scale", initial), ("min_scale", minimum), ("max_scale", maximum))
-    lowest = validate.count("min_headroom", min_headroom, -64, 64)
-    first = validate.count("initial_headroom", initial_headroom, -64, 64)
-    if first < lowest:
-        raise ValueError(f"initial_headroom ({initial_headroom!r}) must be >= min_headroom ({min_headroom!r})")
-    half_life = validate.real("peak_half_life", peak_half_life)
-    if not 1 <= half_life < math.inf:
-        raise ValueError(f"peak_half_life must be finite and >= 1 step, got {peak_half_life!r}")
-    dtype = validate.floating_dtype("compute_dtype", compute_dtype)
-    rule = PredictiveRule(
-        initial_scale=initial,
-        initial_headroom=first,
-        min_headroom=lowest,
-        headroom_interval=validate.count("headroom_interval", headroom_interval),
-        peak_half_life=half_life,
-        min_scale=minimum,
-        max_scale=maximum,
-        overflow_threshold=min(float(jnp.finfo(dtype).max), validate.FLOAT32_MAX),
-    )
-    return loss_scaled(inner, rule, settings_from("predictive", options))

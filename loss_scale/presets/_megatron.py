@@ -9,7 +9,7 @@ import optax
 from loss_scale import _validate as validate
 from loss_scale._options import Options, Unpack, settings_from, takes_options
 from loss_scale._rules.static import fixed
-from loss_scale._transform import LossScaleTransformation, loss_scaled
+from loss_scale._update import LossScaleTransformation, loss_scaled
 from loss_scale.presets._common import dynamic_rule
 
 

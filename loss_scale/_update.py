@@ -1,0 +1,397 @@
+"""The loss-scaling transformation: one update, read top to bottom.
+
+``tx.update(grads, state, params)`` (and the fused ``apply_gradients``,
+which adds the updates to the params inside the taken branch) is ``step``
+below: 1. check the gradients (one read of each) and the loss; 2. apply or
+skip, one ``lax.cond``: the taken branch unscales the gradients and runs the
+inner update, the skip branch returns zero updates and the inner state as it
+was; 3. adjust: the rule (``loss_scale/_rules/<rule>.py``) moves the scale,
+and the step is recorded for the user (``StepRecord``).
+
+``no_op`` without ``skip_nonfinite`` makes the same read for its statistics
+and clipping, and applies the inner update with no branch. Differentiated
+through (meta-learning, unrolled optimisation), a taken step is the inner
+update of the unscaled (and clipped) gradients; the check, the statistics
+and the scale are constants.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.extend
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from loss_scale._check import gradient_stats
+from loss_scale._errors import raise_when_stuck, warn_about_float16_state
+from loss_scale._rules import Rule, RuleState, select
+from loss_scale._saturating import increment
+from loss_scale._settings import Settings
+from loss_scale._sharding import match_varying, zeros_like_shapes
+from loss_scale._state import LossScaleState, SkipReason, StepRecord
+from loss_scale._trees import first_difference
+from loss_scale._unscale import unscale_tree
+
+
+class LossScaleTransformation(optax.GradientTransformationExtraArgs):
+    """The optax transformation that ``dynamic``, ``predictive``, ``static``,
+    ``no_op`` and the presets return.
+
+    An ``optax.GradientTransformationExtraArgs`` (a NamedTuple of ``init`` and
+    ``update``, accepted wherever optax takes a transformation) with one more
+    method, ``apply_gradients``: ``update`` and ``optax.apply_updates`` in
+    one, with the addition to the params inside the taken branch.
+    ``loss_scale.apply_gradients`` calls it.
+
+    The fused step travels on the ``update`` function (``FUSED_ATTRIBUTE``):
+    the transformation stays a NamedTuple of exactly ``init`` and ``update``,
+    so ``copy``, ``deepcopy``, cloudpickle and ``_replace`` behave as for any
+    optax transformation, and an ``update`` replaced with ``_replace`` is
+    never bypassed by the fused step of the one it replaced.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, loss_scale as ls
+      >>> tx = ls.static(optax.sgd(0.5), scale=4.0)
+      >>> params = jnp.ones(2)
+      >>> params, state = tx.apply_gradients(jnp.array([4.0, 8.0]), tx.init(params), params)
+      >>> params
+      Array([0.5, 0. ], dtype=float32)
+    """
+
+    def apply_gradients(
+        self, grads: optax.Updates, state: optax.OptState, params: optax.Params, **extra_args: Any
+    ) -> tuple[optax.Params, optax.OptState]:
+        """``(new_params, new_state)``: ``update`` and ``optax.apply_updates``,
+        fused when ``update`` is the one this library built (see
+        ``loss_scale.apply_gradients``), one after the other otherwise."""
+        fused = getattr(self.update, FUSED_ATTRIBUTE, None)
+        if fused is not None:
+            return fused(grads, state, params, **extra_args)
+        updates, state = self.update(grads, state, params, **extra_args)
+        return optax.apply_updates(params, updates), state
+
+
+# The attribute of a loss-scaling ``update`` function that holds its fused step.
+FUSED_ATTRIBUTE = "loss_scale_apply_gradients"
+
+
+def loss_scaled(inner: Any, rule: Rule, settings: Settings) -> LossScaleTransformation:
+    """The loss-scaling transformation around ``inner``, with ``rule`` moving
+    the scale; ``dynamic``, ``predictive``, ``static``, ``no_op`` and every
+    preset build theirs here."""
+    inner = _as_transformation(inner)
+    # The state as init makes it, shapes only: what every state passed to
+    # update must look like (a gradient leaf count of 1 stands in for the
+    # real one, which _check_layout does not compare).
+    layout = jax.eval_shape(lambda: _initial_state(rule, None, settings, num_leaves=1))
+
+    def init_fn(params: optax.Params) -> LossScaleState:
+        inner_state = inner.init(params)
+        if any(isinstance(x, LossScaleState) for x in jax.tree.leaves(inner_state, is_leaf=_is_state)):
+            raise ValueError(
+                "the wrapped optimizer's state holds a LossScaleState: a loss-scaling transformation is nested "
+                "inside another (e.g. in an optax.chain), so the gradients would be divided by both scales. "
+                "Wrap the whole optimizer once."
+            )
+        warn_about_float16_state(inner_state)
+        return _initial_state(rule, inner_state, settings, num_leaves=len(jax.tree.leaves(params)))
+
+    def step(grads, state, params, extra_args, apply_to_params):
+        """One update; returns (updates, state), or with ``apply_to_params``
+        (new params, state) with ``apply_updates`` inside the taken branch."""
+        _check_layout(state, layout, grads)
+        scale = state.scale
+        # The loss and the backward peak are this transformation's extra
+        # arguments; the inner optimizer gets the loss too (as optax's
+        # reduce_on_plateau takes value=), never the peak.
+        extra_args = dict(extra_args)
+        backward_peak = _backward_peak(extra_args.pop("backward_peak", None), settings.axis_name)
+        loss = extra_args.get("value")
+
+        # 1. Check: one read of every gradient, and of the loss when passed.
+        # (No_op's unchecked update makes the same read for its statistics.)
+        stats = gradient_stats(grads, scale, settings.with_norm, settings.track_underflow, settings.axis_name)
+        grads_finite = jnp.all(stats.leaf_finite)
+        loss_finite = _loss_finite(loss, settings.axis_name) if settings.check_finite else jnp.array(True)
+        clip_factor = None
+        if settings.max_grad_norm is not None:
+            # Part of the update's math (optax.clip_by_global_norm's), so it
+            # is differentiated; the check itself is not.
+            norm = jnp.sqrt(stats.sq_norm)
+            clip_factor = jnp.where(norm < settings.max_grad_norm, 1.0, settings.max_grad_norm / norm)
+
+        def apply(grads, inner_state, params):
+            # The unscale (and clip) sits inside the taken branch, where XLA
+            # fuses it with the inner optimizer's elementwise pass.
+            unscaled = unscale_tree(grads, scale, clip_factor)
+            updates, inner_state = inner.update(unscaled, inner_state, params, **extra_args)
+            if apply_to_params:
+                return optax.apply_updates(params, updates), inner_state
+            return updates, inner_state
+
+        # 2. Apply or skip.
+        if settings.check_finite:
+            applied = grads_finite & loss_finite
+            out, inner_state = _apply_or_skip(applied, apply, grads, state.inner_state, params, apply_to_params)
+        else:
+            applied = jnp.array(True)
+            out, inner_state = apply(grads, state.inner_state, params)
+
+        # 3. Adjust the scale: the rule sees whether the gradients overflowed.
+        # A non-finite loss is a forward failure, which no smaller scale can
+        # fix: the rule does not see that step unless backoff_on_nonfinite_loss.
+        stats = jax.lax.stop_gradient(stats)  # the record and the rule's inputs are constants
+        rule_finite = grads_finite if settings.check_finite else jnp.array(True)
+        before = RuleState(state.scale, state.good_steps, state.counters)
+        if settings.backoff_on_nonfinite_loss:
+            moved = rule.adjust(before, rule_finite & loss_finite, stats.grad_max, backward_peak)
+        else:
+            moved = select(loss_finite, rule.adjust(before, rule_finite, stats.grad_max, backward_peak), before)
+
+        # ...and record the step for the user.
+        old = state.record
+        skipped = ~applied
+        forward_failure = ~loss_finite
+        reason = jnp.where(forward_failure, int(SkipReason.NONFINITE_LOSS), int(SkipReason.GRADIENT_OVERFLOW))
+        nonfinite_leaves = old.nonfinite_leaves
+        if nonfinite_leaves is not None:
+            # Kept from the most recent skipped step (unchecked: the most
+            # recent non-finite one), so a later clean step keeps the evidence.
+            nonfinite = ~stats.leaf_finite
+            nonfinite_leaves = jnp.where(skipped | jnp.any(nonfinite), nonfinite, nonfinite_leaves)
+        record = StepRecord(
+            skipped=skipped,
+            skipped_steps=increment(old.skipped_steps, skipped),
+            consecutive_skips=jnp.where(skipped, increment(old.consecutive_skips), 0).astype(jnp.int32),
+            growths=increment(old.growths, moved.scale > scale),
+            backoffs=increment(old.backoffs, moved.scale < scale),
+            steps_at_min=increment(old.steps_at_min, scale <= rule.floor),
+            skip_reason=jnp.where(skipped, reason, int(SkipReason.APPLIED)).astype(jnp.int32),
+            nonfinite_losses=increment(old.nonfinite_losses, forward_failure),
+            grad_max=stats.grad_max,
+            grad_norm=old.grad_norm if stats.sq_norm is None else jnp.sqrt(stats.sq_norm),
+            zero_fraction=None if stats.underflow is None else stats.underflow[0],
+            below_normal_fraction=None if stats.underflow is None else stats.underflow[1],
+            nonfinite_leaves=nonfinite_leaves,
+        )
+        new_state = LossScaleState(moved.scale, moved.good_steps, moved.counters, record, inner_state)
+        if settings.max_consecutive_skips is not None:
+            raise_when_stuck(new_state, stats.leaf_finite, grads, settings.max_consecutive_skips, rule.floor)
+        return out, new_state
+
+    def update_fn(
+        updates: optax.Updates,
+        state: LossScaleState,
+        params: optax.Params | None = None,
+        **extra_args: Any,
+    ) -> tuple[optax.Updates, LossScaleState]:
+        return step(updates, state, params, extra_args, apply_to_params=False)
+
+    def apply_gradients_fn(
+        grads: optax.Updates, state: LossScaleState, params: optax.Params, **extra_args: Any
+    ) -> tuple[optax.Params, LossScaleState]:
+        return step(grads, state, params, extra_args, apply_to_params=True)
+
+    setattr(update_fn, FUSED_ATTRIBUTE, apply_gradients_fn)
+    return LossScaleTransformation(init_fn, update_fn)
+
+
+def _apply_or_skip(go, apply, grads, inner_state, params, apply_to_params):
+    """``apply(grads, inner_state, params)`` where ``go``, else zero updates
+    (or, fused, the params as they were) and ``inner_state`` unchanged; one
+    ``lax.cond``.
+
+    ``apply`` is traced once, by ``make_jaxpr``: its jaxpr is the taken
+    branch, and its output types give the skip branch its shapes (tracing
+    the inner update a second time, as ``eval_shape`` would, doubles the
+    trace time of a many-leaf tree). The skip branch matches those types
+    exactly, ``shard_map`` axis types included, so both branches agree."""
+    traced, out_shapes = jax.make_jaxpr(apply, return_shape=True)(grads, inner_state, params)
+    _skipped_inner_state(inner_state, out_shapes[1])  # raises here, outside the cond, if it must
+    run_traced = jax.extend.core.jaxpr_as_fun(traced)
+    out_treedef = jax.tree.structure(out_shapes)
+    # The jaxpr's output types, whose shard_map axis types the skip branch
+    # must match (older jax leaves them off the returned shapes).
+    out_types = jax.tree.unflatten(out_treedef, traced.out_avals)
+
+    def taken(grads, inner_state, params):
+        return jax.tree.unflatten(out_treedef, run_traced(*jax.tree.leaves((grads, inner_state, params))))
+
+    def skip(grads, inner_state, params):
+        del grads
+        inner_state = _skipped_inner_state(inner_state, out_types[1])
+        if apply_to_params:
+            # The params as they were: nothing is written, nothing is added.
+            return jax.tree.map(match_varying, params, out_types[0]), inner_state
+        return zeros_like_shapes(out_types[0]), inner_state
+
+    return jax.lax.cond(go, taken, skip, grads, inner_state, params)
+
+
+def _initial_state(rule: Rule, inner_state: optax.OptState, settings: Settings, num_leaves: int) -> LossScaleState:
+    """A fresh state: the rule's initial scale and counters, nothing
+    recorded yet; the optional statistics are present only where the
+    settings record them (``nonfinite_leaves`` with one flag per gradient
+    leaf)."""
+    start = rule.init()
+
+    def zero(dtype=jnp.int32):
+        # A new array per field: one array in two fields could not be donated.
+        return jnp.zeros((), dtype)
+
+    record = StepRecord(
+        skipped=zero(jnp.bool_),
+        skipped_steps=zero(),
+        consecutive_skips=zero(),
+        growths=zero(),
+        backoffs=zero(),
+        steps_at_min=zero(),
+        skip_reason=zero(),
+        nonfinite_losses=zero(),
+        grad_max=zero(jnp.float32),
+        grad_norm=zero(jnp.float32) if settings.with_norm else None,
+        zero_fraction=zero(jnp.float32) if settings.track_underflow else None,
+        below_normal_fraction=zero(jnp.float32) if settings.track_underflow else None,
+        nonfinite_leaves=jnp.zeros((num_leaves,), jnp.bool_) if settings.locate_overflows else None,
+    )
+    return LossScaleState(start.scale, start.good_steps, start.counters, record, inner_state)
+
+
+def _check_layout(state: Any, layout: LossScaleState, grads: optax.Updates) -> None:
+    """A clear error for a state this transformation did not make (a
+    checkpoint restored into a differently configured optimizer, a 0.2.0
+    state), instead of a failure deep inside the update. Everything but the
+    inner state is compared, as one structure."""
+    if not isinstance(state, LossScaleState):
+        raise TypeError(
+            f"state must be the LossScaleState made by this transformation's init, got {type(state).__name__}"
+        )
+    difference = first_difference(
+        state._replace(inner_state=None), layout._replace(inner_state=None), compare_types=False
+    )
+    if difference is not None:
+        rules = ""
+        if type(state.counters) is not type(layout.counters):
+            rules = f" (the state keeps {type(state.counters).__name__}, this rule {type(layout.counters).__name__})"
+        raise ValueError(
+            f"the state does not have this transformation's layout{rules}, {difference}: it was made by a "
+            "transformation built with other settings (a checkpoint restored into a differently configured "
+            "optimizer?). Build the optimizer as it was when the state was saved, or start from tx.init(params) "
+            "and carry over inner_state (ls.wrap_opt_state); a state saved by loss_scale 0.2.0 is converted by "
+            "ls.migrate_state."
+        )
+    located = state.record.nonfinite_leaves
+    if located is not None and len(jax.tree.leaves(grads)) != located.shape[0]:
+        raise ValueError(
+            f"locate_overflows: the gradients have {len(jax.tree.leaves(grads))} leaves but init saw "
+            f"{located.shape[0]} (init with a tree of the gradients' structure)"
+        )
+
+
+def _as_transformation(inner: Any) -> optax.GradientTransformationExtraArgs:
+    """``inner``, validated, with extra-args support."""
+    if isinstance(inner, LossScaleTransformation):
+        raise ValueError(
+            "inner is already a loss-scaling transformation: nested, the outer scale would multiply the loss "
+            "while both divide the gradients. Wrap the optimizer once, e.g. ls.dynamic(optax.adam(1e-3))."
+        )
+    if isinstance(inner, optax.GradientTransformation):
+        return optax.with_extra_args_support(inner)
+    init, update = getattr(inner, "init", None), getattr(inner, "update", None)
+    if callable(init) and callable(update):
+        # Duck-typed transformations such as optax.MultiSteps.
+        return optax.GradientTransformationExtraArgs(init, update)
+    hint = ""
+    if callable(inner):
+        hint = " (did you pass an optimizer factory without calling it, e.g. optax.adam instead of optax.adam(1e-3)?)"
+    raise TypeError(
+        f"inner must be an optax.GradientTransformation, got {inner!r} of type {type(inner).__name__}{hint}"
+    )
+
+
+def _skipped_inner_state(before: optax.OptState, after: optax.OptState) -> optax.OptState:
+    """The inner state a skipped step returns: ``before``, typed as the inner
+    update's result ``after`` (``ShapeDtypeStruct`` leaves) so that both
+    branches of the ``lax.cond`` agree.
+
+    An inner update may widen a state leaf: ``optax.adam`` initialises its
+    moments in the params' dtype and promotes them when the gradients are
+    wider (bfloat16 params, float32 gradients). The skipped step returns the
+    old values in the wider dtype, which is exact. A change that would lose
+    values (a narrowing, a shape or structure change, a typed PRNG key that
+    changes implementation) raises a TypeError. A leaf whose type the update
+    keeps (a typed key, ``float0``) is returned as it is.
+    """
+    paths_before, treedef_before = jax.tree_util.tree_flatten_with_path(before)
+    leaves_after, treedef_after = jax.tree.flatten(after)
+    if treedef_before != treedef_after:
+        raise TypeError(
+            "the inner optimizer's update changes the structure of its state (after the update against before "
+            f"it, {first_difference(after, before, compare_types=False)}); a skipped step could not return it unchanged"
+        )
+    kept = []
+    for (path, old), new in zip(paths_before, leaves_after, strict=True):
+        # A Python number in the state (a custom optimizer's count, say) is
+        # an array of its JAX type once traced, as in plain optax under jit.
+        old = jnp.asarray(old)
+        if old.shape != new.shape or not _widens_exactly(old.dtype, new.dtype):
+            raise TypeError(
+                f"the inner optimizer's update changes state leaf {jax.tree_util.keystr(path)} from "
+                f"{old.dtype}{old.shape} to {new.dtype}{new.shape}; a skipped step could "
+                "not return it unchanged in the new type. Initialise it with the dtype it will keep (for "
+                "example, pass params of that dtype to init)"
+            )
+        if old.dtype != new.dtype:
+            old = old.astype(new.dtype)
+        kept.append(match_varying(old, new))
+    return jax.tree.unflatten(treedef_after, kept)
+
+
+def _widens_exactly(old: np.dtype, new: np.dtype) -> bool:
+    """Whether every value of dtype ``old`` is a value of ``new``; extended
+    dtypes (typed PRNG keys), which ``np.can_cast`` cannot read, only match
+    themselves."""
+    if old == new:
+        return True
+    if jax.dtypes.issubdtype(old, jax.dtypes.extended) or jax.dtypes.issubdtype(new, jax.dtypes.extended):
+        return False
+    return bool(np.can_cast(old, new, casting="safe"))
+
+
+def _loss_finite(value: Any, axis_name: Any) -> jax.Array:
+    """Whether the loss passed as ``value=`` is finite (on every replica of
+    ``axis_name``); True when no floating loss was passed."""
+    if value is None:
+        return jnp.array(True)
+    value = jnp.asarray(value)
+    if not jnp.issubdtype(value.dtype, jnp.inexact):
+        return jnp.array(True)
+    finite = jnp.all(jnp.isfinite(value))
+    if axis_name is not None:
+        finite = jax.lax.pmin(finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+    return finite
+
+
+def _backward_peak(peak: Any, axis_name: Any) -> jax.Array | None:
+    """The ``backward_peak=`` extra argument as a float32 scalar (the
+    largest over ``axis_name``, so that every replica moves its scale
+    alike); ``None`` when not passed."""
+    if peak is None:
+        return None
+    peak = jnp.asarray(peak)
+    if peak.shape != () or not jnp.issubdtype(peak.dtype, jnp.floating):
+        raise TypeError(
+            f"backward_peak must be a floating scalar (the third output of ls.value_grad_and_peak), got "
+            f"{peak.dtype}{list(peak.shape)}"
+        )
+    peak = peak.astype(jnp.float32)
+    if axis_name is not None:
+        peak = jax.lax.pmax(peak, axis_name)
+    return peak
+
+
+def _is_state(x: Any) -> bool:
+    return isinstance(x, LossScaleState)
