@@ -381,7 +381,9 @@ def train(workload: Workload, rule: str) -> dict[str, Any]:
 
 
 # ---------------------------------------------------------------------------
-# A float16 model in miniature, for runs longer than the examples
+# A float16 model in miniature, for runs longer than the examples (the tests
+# run the rules on a copy, tests/_simulation.py, that needs no flax;
+# tests/test_benchmarks.py checks that the two simulate the same runs)
 # ---------------------------------------------------------------------------
 
 F16_MAX = 65504.0

@@ -21,16 +21,8 @@ import loss_scale as ls
 from loss_scale._check import largest_magnitude
 from loss_scale._rules.predictive import PredictiveRule
 from tests._compare import assert_trees_close_to_largest
-from tests._scripts import ROOT, load_script
+from tests._simulation import F16_MAX, SIMULATIONS, drifting_gradients, simulate
 
-try:  # benchmarks/predictive.py, which simulates the runs, imports the examples' flax models
-    import flax  # noqa: F401
-except ModuleNotFoundError:  # the core at its minimum versions has no flax
-    _bench = None
-else:
-    _bench = load_script(ROOT / "benchmarks" / "predictive.py", "bench_predictive_peak")
-needs_bench = pytest.mark.skipif(_bench is None, reason="benchmarks/predictive.py needs flax")
-F16_MAX = 65504.0
 F16 = jnp.float16
 DIMS = (((1,), (0,)), ((), ()))
 
@@ -314,7 +306,7 @@ def run_rule(rule, grad_maxes, peaks=None, finite=None):
 
 
 def amplified_run(rule, grads, amplification, every, seen=1.0):
-    """A simulated float16 backward pass (as benchmarks/predictive.py's),
+    """A simulated float16 backward pass (as tests/_simulation.py's),
     whose measurement sees ``seen`` of the true amplification."""
 
     def step(c, g):
@@ -403,11 +395,10 @@ def test_an_overflow_adds_extra_headroom_that_measurements_keep_and_relaxation_r
     np.testing.assert_array_equal(out.scale[-2:], 2.0**15)
 
 
-@needs_bench
 def test_a_peak_the_measurement_misses_costs_a_few_skips_not_one_per_measurement():
     # The measurement sees 1/8 of the true 3000x amplification (say, the
     # largest value is inside a scan): the overflows teach the 3 binades.
-    grads = _bench.drifting_gradients(4000, noise=0.05)
+    grads = drifting_gradients(4000, noise=0.05)
     scales, skipped, headroom, extra = amplified_run(PredictiveRule(initial_scale=1.0), grads, 3000.0, 16, 1 / 8)
     assert 1 <= skipped.sum() <= 4, np.nonzero(skipped)
     assert extra[-1] == skipped.sum()
@@ -417,19 +408,19 @@ def test_a_peak_the_measurement_misses_costs_a_few_skips_not_one_per_measurement
 
 
 @pytest.mark.parametrize("every", [1, 16])
-@pytest.mark.parametrize("steps, noise, amplification", _bench.SIMULATIONS if _bench else [])
+@pytest.mark.parametrize("steps, noise, amplification", SIMULATIONS)
 def test_simulated_runs_skip_ten_times_less_than_the_torch_rule(steps, noise, amplification, every):
     from loss_scale._rules.dynamic import DynamicRule
 
-    grads = _bench.drifting_gradients(steps, noise)
+    grads = drifting_gradients(steps, noise)
     torch_rule = DynamicRule(initial_scale=2.0**16, min_scale=2.0**-30, max_scale=math.inf)
-    _, torch_skips = _bench.simulate(torch_rule, grads, amplification)
-    scales, skips = _bench.simulate(PredictiveRule(initial_scale=1.0), grads, amplification, every)
+    _, torch_skips = simulate(torch_rule, grads, amplification)
+    scales, skips = simulate(PredictiveRule(initial_scale=1.0), grads, amplification, every)
     assert torch_skips.sum() >= 10 * skips.sum() and torch_skips.sum() >= 5, (torch_skips.sum(), skips.sum())
     # At no more than two binades more headroom than the torch rule's.
-    headroom = np.log2(_bench.F16_MAX / (scales * grads * amplification))[100:]
-    torch_scales, _ = _bench.simulate(torch_rule, grads, amplification)
-    torch_headroom = np.log2(_bench.F16_MAX / (torch_scales * grads * amplification))[100:]
+    headroom = np.log2(F16_MAX / (scales * grads * amplification))[100:]
+    torch_scales, _ = simulate(torch_rule, grads, amplification)
+    torch_headroom = np.log2(F16_MAX / (torch_scales * grads * amplification))[100:]
     assert np.median(headroom) <= np.median(torch_headroom) + 2
 
 

@@ -12,6 +12,8 @@ import sys
 import pytest
 
 from benchmarks._harness import peers, provenance, tables, timing
+from tests import _simulation as simulation
+from tests._compare import assert_trees_bitwise
 from tests._scripts import ROOT, load_script
 
 BENCH = ROOT / "benchmarks"
@@ -184,6 +186,22 @@ def test_predictive_benchmark_simulation_models_a_measured_peak():
     # Without measurements, the same rule learns the amplification by overflowing.
     _, overflowed = module.simulate(PredictiveRule(initial_scale=1.0), grads, 3000.0)
     assert overflowed.any()
+
+
+def test_predictive_benchmark_simulates_the_runs_the_tests_simulate():
+    """tests/_simulation.py is the benchmark's simulated model, copied so
+    that the rule tests need no flax: both give the same runs."""
+    module = load("predictive")
+    from loss_scale._rules.dynamic import DynamicRule
+    from loss_scale._rules.predictive import PredictiveRule
+
+    assert (module.SIMULATIONS, module.F16_MAX) == (simulation.SIMULATIONS, simulation.F16_MAX)
+    grads = simulation.drifting_gradients(3000, noise=0.25, seed=1)
+    assert_trees_bitwise(module.drifting_gradients(3000, noise=0.25, seed=1), grads)
+    torch_rule = DynamicRule(initial_scale=2.0**16, min_scale=2.0**-30, max_scale=math.inf)
+    for rule, every in [(torch_rule, None), (PredictiveRule(), None), (PredictiveRule(initial_scale=1.0), 16)]:
+        runs = [m.simulate(rule, grads, 3000.0, every) for m in (module, simulation)]
+        assert_trees_bitwise(*runs)
 
 
 @pytest.mark.parametrize("name", ["overhead", "compile_time", "predictive", "speedup"])

@@ -15,11 +15,7 @@ import loss_scale as ls
 from loss_scale._rules.dynamic import DynamicRule
 from loss_scale._rules.predictive import PredictiveRule
 from tests._compare import assert_trees_bitwise
-from tests._scripts import ROOT, load_script
-
-# The simulated float16 model of benchmarks/predictive.py.
-_bench = load_script(ROOT / "benchmarks" / "predictive.py", "bench_predictive")
-F16_MAX, drifting_gradients, simulate = _bench.F16_MAX, _bench.drifting_gradients, _bench.simulate
+from tests._simulation import F16_MAX, drifting_gradients, simulate
 
 
 def run_rule(rule, grad_maxes, finite=None):
