@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import statistics
 import sys
 import time
@@ -44,12 +45,8 @@ import optax
 
 import loss_scale as ls
 
-try:  # run as a script: Python puts benchmarks/ first on sys.path
-    from _harness import cli, provenance, tables, timing
-except ModuleNotFoundError as error:  # imported with the repository root on sys.path (the tests)
-    if error.name != "_harness":
-        raise
-    from benchmarks._harness import cli, provenance, tables, timing
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _harness/ is next to this script, run or imported
+from _harness import cli, provenance, tables, timing  # noqa: E402
 
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "sgd": lambda: optax.sgd(1e-3),

@@ -38,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import sys
 import time
 from collections.abc import Sequence
@@ -45,12 +46,8 @@ from typing import Any
 
 import jax
 
-try:  # run as a script: Python puts benchmarks/ first on sys.path
-    from _harness import cli, models, peers, provenance, tables, timing
-except ModuleNotFoundError as error:  # imported with the repository root on sys.path (the tests)
-    if error.name != "_harness":
-        raise
-    from benchmarks._harness import cli, models, peers, provenance, tables, timing
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _harness/ is next to this script, run or imported
+from _harness import cli, models, peers, provenance, tables, timing  # noqa: E402
 
 # Row names that speedup.py and the tests read.
 BARE, LS, LS_OVERFLOW, LS_FUSED, LS_FUSED_OVERFLOW = (

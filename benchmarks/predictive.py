@@ -82,12 +82,8 @@ from flax import nnx
 
 import loss_scale as ls
 
-try:  # run as a script: Python puts benchmarks/ first on sys.path
-    from _harness import cli, provenance, tables, timing
-except ModuleNotFoundError as error:  # imported with the repository root on sys.path (the tests)
-    if error.name != "_harness":
-        raise
-    from benchmarks._harness import cli, provenance, tables, timing
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _harness/ is next to this script, run or imported
+from _harness import cli, provenance, tables, timing  # noqa: E402
 
 EXAMPLES = pathlib.Path(__file__).resolve().parents[1] / "examples"
 

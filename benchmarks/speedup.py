@@ -17,15 +17,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
+import sys
 from collections.abc import Sequence
 from typing import Any
 
-try:  # run as a script: Python puts benchmarks/ first on sys.path
-    from _harness import cli, tables
-except ModuleNotFoundError as error:  # imported with the repository root on sys.path (the tests)
-    if error.name != "_harness":
-        raise
-    from benchmarks._harness import cli, tables
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _harness/ is next to this script, run or imported
+from _harness import cli, tables  # noqa: E402
 
 BARE = "adam (bare)"
 VARIANTS = ("ls.dynamic", "ls.dynamic + ls.apply_gradients")

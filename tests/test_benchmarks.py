@@ -11,12 +11,16 @@ import sys
 
 import pytest
 
-from benchmarks._harness import peers, provenance, tables, timing
 from tests import _simulation as simulation
 from tests._compare import assert_trees_bitwise
 from tests._scripts import ROOT, load_script
 
 BENCH = ROOT / "benchmarks"
+# The harness as the scripts import it (each puts its own directory on
+# sys.path), so that the tests and the scripts they load share one module.
+sys.path.insert(0, str(BENCH.resolve()))
+from _harness import peers, provenance, tables, timing  # noqa: E402
+
 HAS_MPX = importlib.util.find_spec("mpx") is not None
 
 
