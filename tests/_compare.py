@@ -18,8 +18,10 @@ shows both values.
   largest magnitude of its expected leaf (at least ``floor``), for values
   whose small elements carry the rounding of the large ones (sums in float16).
 
-Leaves may be arrays, numpy arrays, Python or numpy scalars and typed PRNG
-keys (compared by their key data, after their key dtypes).
+Leaves may be arrays, numpy arrays, numpy scalars, Python numbers (taken as
+JAX takes them: ``jnp.asarray``, so a Python int is an int32 where 64-bit
+mode is off), typed PRNG keys (compared by their key data, after their key
+dtypes) and float0 arrays (which hold no bits: dtype and shape only).
 """
 
 from __future__ import annotations
@@ -28,18 +30,18 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 Tolerance = float | Callable[[np.dtype], float]
 
 
-def _dtype(x: Any) -> np.dtype:
-    dtype = getattr(x, "dtype", None)
-    return np.asarray(x).dtype if dtype is None else dtype
+def _array(x: Any) -> Any:
+    return x if hasattr(x, "dtype") else jnp.asarray(x)
 
 
 def _numpy(x: Any) -> np.ndarray:
-    if jax.dtypes.issubdtype(_dtype(x), jax.dtypes.prng_key):
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
         x = jax.random.key_data(x)
     return np.asarray(x)
 
@@ -54,8 +56,9 @@ def _leaf_pairs(actual: Any, expected: Any, what: str, check_dtypes: bool) -> It
     )
     for (path, a), (_, e) in zip(actual_leaves, expected_leaves, strict=True):
         where = f"{what}{jax.tree_util.keystr(path)}"
+        a, e = _array(a), _array(e)
         if check_dtypes:
-            assert _dtype(a) == _dtype(e), f"{where}: dtype {_dtype(a)} != expected {_dtype(e)}"
+            assert a.dtype == e.dtype, f"{where}: dtype {a.dtype} != expected {e.dtype}"
         a, e = _numpy(a), _numpy(e)
         assert a.shape == e.shape, f"{where}: shape {a.shape} != expected {e.shape}"
         yield where, a, e
@@ -65,6 +68,8 @@ def assert_trees_bitwise(actual: Any, expected: Any, what: str = "") -> None:
     """``actual`` and ``expected`` hold the same bits: same structure, and
     each leaf the same dtype, shape and bytes."""
     for where, a, e in _leaf_pairs(actual, expected, what, check_dtypes=True):
+        if a.dtype.itemsize == 0:  # float0: no bits to compare
+            continue
         a_bytes = np.ascontiguousarray(a).reshape(-1).view(np.uint8).reshape(a.size, a.dtype.itemsize)
         e_bytes = np.ascontiguousarray(e).reshape(-1).view(np.uint8).reshape(e.size, e.dtype.itemsize)
         differ = np.any(a_bytes != e_bytes, axis=1)
