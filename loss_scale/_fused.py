@@ -16,18 +16,18 @@ def apply_gradients(
     params: optax.Params,
     **extra_args: Any,
 ) -> tuple[optax.Params, optax.OptState]:
-    """``tx.update`` and ``optax.apply_updates`` in one, with the addition to
-    the params inside the taken branch.
+    """``tx.update`` and ``optax.apply_updates`` in one, the addition made
+    before the skip keeps or drops it.
 
     The result equals ``updates, opt_state = tx.update(grads, opt_state,
     params); optax.apply_updates(params, updates)``. When ``tx`` is a
     loss-scaling transformation itself (``dynamic``, ``static``, ``no_op``
-    or a preset), the addition happens inside the ``lax.cond``: XLA fuses the
-    update into the write of the params as it does for a bare optimizer, the
-    updates are never materialized (one write and one read of a
-    parameter-sized buffer saved, and that much less temporary memory), and a
-    skipped step writes nothing. Any other ``tx`` (a chain around the
-    loss-scaling transformation, say) takes the two-step path.
+    or a preset), the new params are chosen against the old ones where they
+    are computed: XLA fuses the update into the write of the params as it
+    does for a bare optimizer, and no updates buffer is ever needed (where
+    the inner update keeps a ``lax.cond``, the addition happens inside it,
+    and a skipped step writes nothing). Any other ``tx`` (a chain around
+    the loss-scaling transformation, say) takes the two-step path.
 
     Args:
       tx: the optimizer.

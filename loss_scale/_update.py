@@ -1,12 +1,14 @@
 """The loss-scaling transformation: one update, read top to bottom.
 
 ``tx.update(grads, state, params)`` (and the fused ``apply_gradients``,
-which adds the updates to the params inside the taken branch) is ``step``
-below: 1. check the gradients (one read of each) and the loss; 2. apply or
-skip, one ``lax.cond``: the taken branch unscales the gradients and runs the
-inner update, the skip branch returns zero updates and the inner state as it
-was; 3. adjust: the rule (``loss_scale/_rules/<rule>.py``) moves the scale,
-and the step is recorded for the user (``StepRecord``).
+which adds the updates to the params before the skip keeps or drops them)
+is ``step`` below: 1. check the gradients (one read of each) and the loss;
+2. apply or skip: the unscaled gradients go through the inner update, whose
+results are kept on a finite step; a skipped step returns zero updates (or
+the params as they were) and the inner state as it was, either by selecting
+where each value is produced or inside one ``lax.cond`` (``_skip.py``); 3.
+adjust: the rule (``loss_scale/_rules/<rule>.py``) moves the scale, and the
+step is recorded for the user (``StepRecord``).
 
 ``no_op`` without ``skip_nonfinite`` makes the same read for its statistics
 and clipping, and applies the inner update with no branch. Differentiated
@@ -22,7 +24,6 @@ from typing import Any
 import jax
 import jax.extend
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from loss_scale._check import gradient_stats
@@ -31,9 +32,10 @@ from loss_scale._rules import Rule, RuleState, select
 from loss_scale._saturating import increment
 from loss_scale._settings import Settings
 from loss_scale._sharding import match_varying, zeros_like_shapes
+from loss_scale._skip import kept_inner_state, run_selecting, runs_unconditionally
 from loss_scale._state import LossScaleState, SkipReason, StepRecord
 from loss_scale._trees import first_difference
-from loss_scale._unscale import unscale_tree
+from loss_scale._unscale import is_float_leaf, unscale_tree
 
 
 class LossScaleTransformation(optax.GradientTransformationExtraArgs):
@@ -43,7 +45,7 @@ class LossScaleTransformation(optax.GradientTransformationExtraArgs):
     An ``optax.GradientTransformationExtraArgs`` (a NamedTuple of ``init`` and
     ``update``, accepted wherever optax takes a transformation) with one more
     method, ``apply_gradients``: ``update`` and ``optax.apply_updates`` in
-    one, with the addition to the params inside the taken branch.
+    one, with the addition to the params before the skip keeps or drops it.
     ``loss_scale.apply_gradients`` calls it.
 
     The fused step travels on the ``update`` function (``FUSED_ATTRIBUTE``):
@@ -101,7 +103,7 @@ def loss_scaled(inner: Any, rule: Rule, settings: Settings) -> LossScaleTransfor
 
     def step(grads, state, params, extra_args, apply_to_params):
         """One update; returns (updates, state), or with ``apply_to_params``
-        (new params, state) with ``apply_updates`` inside the taken branch."""
+        (new params, state) with ``apply_updates`` before the skip."""
         _check_layout(state, layout, grads)
         scale = state.scale
         # The loss and the backward peak are this transformation's extra
@@ -124,8 +126,8 @@ def loss_scaled(inner: Any, rule: Rule, settings: Settings) -> LossScaleTransfor
             clip_factor = jnp.where(norm < settings.max_grad_norm, 1.0, settings.max_grad_norm / norm)
 
         def apply(grads, inner_state, params):
-            # The unscale (and clip) sits inside the taken branch, where XLA
-            # fuses it with the inner optimizer's elementwise pass.
+            # The unscale (and clip) is part of the applied computation, where
+            # XLA fuses it with the inner optimizer's elementwise pass.
             unscaled = unscale_tree(grads, scale, clip_factor)
             updates, inner_state = inner.update(unscaled, inner_state, params, **extra_args)
             if apply_to_params:
@@ -201,7 +203,8 @@ def loss_scaled(inner: Any, rule: Rule, settings: Settings) -> LossScaleTransfor
 
 def _apply_or_skip(go, apply, grads, inner_state, params, apply_to_params):
     """``apply(grads, inner_state, params)`` where ``go``, else zero updates
-    (or, fused, the params as they were) and ``inner_state`` unchanged; one
+    (or, fused, the params as they were) and ``inner_state`` unchanged: with
+    no branch where the inner update allows it (``_skip.py``), else one
     ``lax.cond``.
 
     ``apply`` is traced once, by ``make_jaxpr``: its jaxpr is the taken
@@ -210,7 +213,7 @@ def _apply_or_skip(go, apply, grads, inner_state, params, apply_to_params):
     trace time of a many-leaf tree). The skip branch matches those types
     exactly, ``shard_map`` axis types included, so both branches agree."""
     traced, out_shapes = jax.make_jaxpr(apply, return_shape=True)(grads, inner_state, params)
-    _skipped_inner_state(inner_state, out_shapes[1])  # raises here, outside the cond, if it must
+    kept_inner_state(inner_state, out_shapes[1])  # raises here, outside the cond, if it must
     run_traced = jax.extend.core.jaxpr_as_fun(traced)
     out_treedef = jax.tree.structure(out_shapes)
     # The jaxpr's output types, whose shard_map axis types the skip branch
@@ -222,13 +225,23 @@ def _apply_or_skip(go, apply, grads, inner_state, params, apply_to_params):
 
     def skip(grads, inner_state, params):
         del grads
-        inner_state = _skipped_inner_state(inner_state, out_types[1])
+        inner_state = kept_inner_state(inner_state, out_types[1])
         if apply_to_params:
             # The params as they were: nothing is written, nothing is added.
             return jax.tree.map(match_varying, params, out_types[0]), inner_state
         return zeros_like_shapes(out_types[0]), inner_state
 
-    return jax.lax.cond(go, taken, skip, grads, inner_state, params)
+    if not runs_unconditionally(traced):
+        return jax.lax.cond(go, taken, skip, grads, inner_state, params)
+    # Without a branch (loss_scale/_skip.py explains why): the update runs
+    # on every step, on zeros where the step is skipped (so that nothing it
+    # computes there is non-finite, and a derivative through a skipped step
+    # stays 0), and every output is the kept one there, bit for bit.
+    zeroed = jax.tree.map(lambda g: jnp.where(go, g, jnp.zeros((), g.dtype)) if is_float_leaf(g) else g, grads)
+    kept = dict(enumerate(jax.tree.leaves(skip(grads, inner_state, params))))
+    return jax.tree.unflatten(
+        out_treedef, run_selecting(traced, go, kept, jax.tree.leaves((zeroed, inner_state, params)))
+    )
 
 
 def _initial_state(rule: Rule, inner_state: optax.OptState, settings: Settings, num_leaves: int) -> LossScaleState:
@@ -310,55 +323,6 @@ def _as_transformation(inner: Any) -> optax.GradientTransformationExtraArgs:
     raise TypeError(
         f"inner must be an optax.GradientTransformation, got {inner!r} of type {type(inner).__name__}{hint}"
     )
-
-
-def _skipped_inner_state(before: optax.OptState, after: optax.OptState) -> optax.OptState:
-    """The inner state a skipped step returns: ``before``, typed as the inner
-    update's result ``after`` (``ShapeDtypeStruct`` leaves) so that both
-    branches of the ``lax.cond`` agree.
-
-    An inner update may widen a state leaf: ``optax.adam`` initialises its
-    moments in the params' dtype and promotes them when the gradients are
-    wider (bfloat16 params, float32 gradients). The skipped step returns the
-    old values in the wider dtype, which is exact. A change that would lose
-    values (a narrowing, a shape or structure change, a typed PRNG key that
-    changes implementation) raises a TypeError. A leaf whose type the update
-    keeps (a typed key, ``float0``) is returned as it is.
-    """
-    paths_before, treedef_before = jax.tree_util.tree_flatten_with_path(before)
-    leaves_after, treedef_after = jax.tree.flatten(after)
-    if treedef_before != treedef_after:
-        raise TypeError(
-            "the inner optimizer's update changes the structure of its state (after the update against before "
-            f"it, {first_difference(after, before, compare_types=False)}); a skipped step could not return it unchanged"
-        )
-    kept = []
-    for (path, old), new in zip(paths_before, leaves_after, strict=True):
-        # A Python number in the state (a custom optimizer's count, say) is
-        # an array of its JAX type once traced, as in plain optax under jit.
-        old = jnp.asarray(old)
-        if old.shape != new.shape or not _widens_exactly(old.dtype, new.dtype):
-            raise TypeError(
-                f"the inner optimizer's update changes state leaf {jax.tree_util.keystr(path)} from "
-                f"{old.dtype}{old.shape} to {new.dtype}{new.shape}; a skipped step could "
-                "not return it unchanged in the new type. Initialise it with the dtype it will keep (for "
-                "example, pass params of that dtype to init)"
-            )
-        if old.dtype != new.dtype:
-            old = old.astype(new.dtype)
-        kept.append(match_varying(old, new))
-    return jax.tree.unflatten(treedef_after, kept)
-
-
-def _widens_exactly(old: np.dtype, new: np.dtype) -> bool:
-    """Whether every value of dtype ``old`` is a value of ``new``; extended
-    dtypes (typed PRNG keys), which ``np.can_cast`` cannot read, only match
-    themselves."""
-    if old == new:
-        return True
-    if jax.dtypes.issubdtype(old, jax.dtypes.extended) or jax.dtypes.issubdtype(new, jax.dtypes.extended):
-        return False
-    return bool(np.can_cast(old, new, casting="safe"))
 
 
 def _loss_finite(value: Any, axis_name: Any) -> jax.Array:

@@ -98,8 +98,8 @@ def apply_gradients(
 
     ``tx.update`` and the addition to the model's inexact arrays in one
     (``loss_scale.apply_gradients``: with a loss-scaling ``tx`` the update is
-    added inside the taken branch, and a skipped step leaves the model and
-    the optimizer state exactly as they were); the model's other fields are
+    added before the skip keeps or drops it, and a skipped step leaves the
+    model and the optimizer state exactly as they were); the model's other fields are
     kept as they are.
 
     Args:

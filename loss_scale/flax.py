@@ -5,7 +5,7 @@ An optional module: it imports flax, which the core package never does.
 
 **NNX.** ``nnx.Optimizer`` takes a loss-scaled optimizer as it is; this
 module's ``Optimizer`` is the same with the fused step (the update added to
-the params inside the taken branch, see ``loss_scale.apply_gradients``)::
+the params before the skip keeps or drops it, see ``loss_scale.apply_gradients``)::
 
     optimizer = Optimizer(model, ls.dynamic(optax.adamw(1e-3)), wrt=nnx.Param)
 
@@ -197,7 +197,7 @@ def apply_gradients(state: Any, grads: PyTree, **extra_args: Any) -> Any:
 
     Calls ``loss_scale.apply_gradients(state.tx, grads, state.opt_state,
     state.params)``, so that with a loss-scaling ``tx`` the update is added to
-    the params inside the taken branch; then ``step + 1``, as flax does.
+    the params before the skip keeps or drops it; then ``step + 1``, as flax does.
 
     Args:
       state: a ``flax.training.train_state.TrainState`` (or any struct with
@@ -226,9 +226,8 @@ class TrainState(train_state.TrainState):
     """flax's ``TrainState``, whose ``apply_gradients`` takes the fused step.
 
     ``state.apply_gradients(grads=grads)`` does what flax's does, but with a
-    loss-scaling ``tx`` the update is added to the params inside the taken
-    branch: the updates are never materialized and a skipped step writes
-    nothing. Build it with ``TrainState.create`` as flax's.
+    loss-scaling ``tx`` the update is added to the params before the skip
+    keeps or drops it: the updates are never materialized. Build it with ``TrainState.create`` as flax's.
 
     From the same state, one step gives flax's ``opt_state`` and ``step``
     bit for bit (``step`` counts skipped steps too) and its params within
@@ -268,8 +267,8 @@ class Optimizer(nnx.Optimizer):
 
     ``optimizer.update(model, grads)`` changes the model's params, the
     optimizer state and ``step`` as ``nnx.Optimizer``'s does, but with a
-    loss-scaling ``tx`` the update is added to the params inside the taken
-    branch, so the updates are never materialized; ``update`` returns
+    loss-scaling ``tx`` the update is added to the params before the skip
+    keeps or drops it, so the updates are never materialized; ``update`` returns
     ``None`` (``nnx.Optimizer``'s returns them).
 
     From the same state, one update gives ``nnx.Optimizer``'s optimizer

@@ -22,7 +22,17 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "loss_scale"
 # Bottom to top. A unit may import units of its own layer (without a cycle)
 # and of the layers below it.
 LAYERS: dict[str, tuple[str, ...]] = {
-    "numerics": ("_types", "_saturating", "_trees", "_sharding", "_unscale", "_check", "_validate", "_signatures"),
+    "numerics": (
+        "_types",
+        "_saturating",
+        "_trees",
+        "_sharding",
+        "_unscale",
+        "_check",
+        "_validate",
+        "_signatures",
+        "_skip",
+    ),
     "rules": ("_rules",),
     "state": ("_state", "_settings", "_find", "_errors"),
     "update": ("_update",),

@@ -313,12 +313,15 @@ COPYABLE = {
 
 def is_fused(tx) -> bool:
     """Whether ``ls.apply_gradients(tx, ...)`` adds the update to the params
-    inside the ``lax.cond`` (the new params are the cond's outputs)."""
+    before it chooses between applying and skipping: the new params are the
+    outputs of the ``lax.cond``, or of the ``select_n`` that keeps the old
+    params on a skipped step (loss_scale/_skip.py), never of an addition
+    after it."""
     state = tx.init(PARAMS)
     closed = jax.make_jaxpr(functools.partial(ls.apply_gradients, tx))(scaled_grads(1.0, 1.0), state, PARAMS)
-    conds = [e for e in closed.jaxpr.eqns if e.primitive.name == "cond"]
+    produced_by = {id(v): e.primitive.name for e in closed.jaxpr.eqns for v in e.outvars}
     new_params = closed.jaxpr.outvars[: len(jax.tree.leaves(PARAMS))]
-    return bool(conds) and all(any(v is out for out in conds[-1].outvars) for v in new_params)
+    return all(produced_by.get(id(v)) in ("cond", "select_n") for v in new_params)
 
 
 def one_update(tx):
