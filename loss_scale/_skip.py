@@ -54,8 +54,21 @@ def runs_unconditionally(closed: jax.extend.core.ClosedJaxpr) -> bool:
         for eqn in jaxpr.eqns:
             if eqn.primitive.name in _CONTROL_FLOW:
                 return False
-            stack.extend(jax.extend.core.jaxprs_in_params(eqn.params))
+            stack.extend(_sub_jaxprs(eqn.params))
     return True
+
+
+def _sub_jaxprs(params: Mapping[str, Any]) -> list[Any]:
+    """The jaxprs among an equation's parameters (a call's ``jaxpr``, a
+    ``cond``'s ``branches``), open or closed."""
+    found = []
+    for value in params.values():
+        for item in value if isinstance(value, tuple | list) else (value,):
+            if hasattr(item, "eqns"):
+                found.append(item)
+            elif hasattr(getattr(item, "jaxpr", None), "eqns"):
+                found.append(item.jaxpr)
+    return found
 
 
 def select(go: jax.Array, new: Any, old: Any) -> Any:
@@ -94,12 +107,14 @@ def run_selecting(
     for var, value in [*zip(jaxpr.constvars, closed.consts, strict=True), *zip(jaxpr.invars, args, strict=True)]:
         env[var] = value
     for eqn in jaxpr.eqns:
-        results = eqn.primitive.bind(*map(read, eqn.invars), **eqn.primitive.get_bind_params(eqn.params))
+        bind_params, subfuns = eqn.primitive.get_bind_params(eqn.params), ()
+        if isinstance(bind_params, tuple):  # jax < 0.9 returns (subfuns, params)
+            subfuns, bind_params = bind_params
+        results = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **bind_params)
         if not eqn.primitive.multiple_results:
             results = [results]
         for var, value in zip(eqn.outvars, results, strict=True):
-            if isinstance(var, jax.extend.core.DropVar):
-                continue
+            # (An unused output, a DropVar, is never read back.)
             env[var] = select(go, value, chosen[var]) if var in chosen else value
     outputs = []
     for index, var in enumerate(jaxpr.outvars):
