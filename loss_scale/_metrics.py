@@ -37,7 +37,9 @@ def metrics(opt_state: PyTree, prefix: str = "loss_scale/") -> dict[str, jax.Arr
     state = find_state(opt_state)
     record = state.record._asdict()
     del record["nonfinite_leaves"]  # one flag per leaf, not a scalar: see overflow_paths
-    values = {"scale": state.scale, "good_steps": state.good_steps} | record | state.counters._asdict()
+    # The order of 0.2.0's keys: the scale, the stable skip counts, good_steps, the rest.
+    stable = {name: record.pop(name) for name in ("skipped", "skipped_steps", "consecutive_skips")}
+    values = {"scale": state.scale} | stable | {"good_steps": state.good_steps} | record | state.counters._asdict()
     return {prefix + name: value for name, value in values.items() if value is not None}
 
 
