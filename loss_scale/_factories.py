@@ -90,10 +90,9 @@ def dynamic(
       >>> params["w"]
       Array([0.8, 0.8, 0.8], dtype=float32)
     """
-    initial = validate.scale("initial_scale", initial_scale)
-    minimum = validate.scale("min_scale", min_scale)
-    maximum = validate.scale("max_scale", max_scale, allow_inf=True)
-    validate.scale_bounds(("initial_scale", initial), ("min_scale", minimum), ("max_scale", maximum))
+    initial, minimum, maximum = validate.scale_range(
+        ("initial_scale", initial_scale), ("min_scale", min_scale), ("max_scale", max_scale)
+    )
     rule = DynamicRule(
         initial_scale=initial,
         growth_factor=validate.growth_factor("growth_factor", growth_factor),
@@ -251,10 +250,9 @@ def predictive(
       65536.0 7
       131072.0 6
     """
-    initial = validate.scale("initial_scale", initial_scale)
-    minimum = validate.scale("min_scale", min_scale)
-    maximum = validate.scale("max_scale", max_scale, allow_inf=True)
-    validate.scale_bounds(("initial_scale", initial), ("min_scale", minimum), ("max_scale", maximum))
+    initial, minimum, maximum = validate.scale_range(
+        ("initial_scale", initial_scale), ("min_scale", min_scale), ("max_scale", max_scale)
+    )
     lowest = validate.count("min_headroom", min_headroom, -64, 64)
     first = validate.count("initial_headroom", initial_headroom, -64, 64)
     if first < lowest:

@@ -157,6 +157,19 @@ def axis_name(name: str, value: Any) -> Hashable | None:
     return value
 
 
+def scale_range(
+    initial: tuple[str, Any], minimum: tuple[str, Any], maximum: tuple[str, Any]
+) -> tuple[float, float, float]:
+    """The initial, minimum and maximum scale, each a ``(name, value)`` pair,
+    checked by ``scale`` (the maximum may be inf) and by ``scale_bounds``;
+    returns their float32 values."""
+    initial_value = scale(*initial)
+    min_value = scale(*minimum)
+    max_value = scale(*maximum, allow_inf=True)
+    scale_bounds((initial[0], initial_value), (minimum[0], min_value), (maximum[0], max_value))
+    return initial_value, min_value, max_value
+
+
 def scale_bounds(initial: tuple[str, float], minimum: tuple[str, float], maximum: tuple[str, float]) -> None:
     """``minimum <= initial <= maximum``, each a ``(name, float32 value)``
     pair already checked by ``scale``."""

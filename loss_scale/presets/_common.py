@@ -30,10 +30,7 @@ def dynamic_rule(
     Presets check every setting whatever their mode (``enabled=False``, a
     static ``loss_scale``), so that a wrong setting fails before anyone
     switches the mode."""
-    initial_value = validate.scale(*initial)
-    min_value = validate.scale(*minimum)
-    max_value = validate.scale(*maximum, allow_inf=True)
-    validate.scale_bounds((initial[0], initial_value), (minimum[0], min_value), (maximum[0], max_value))
+    initial_value, min_value, max_value = validate.scale_range(initial, minimum, maximum)
     return DynamicRule(
         initial_scale=initial_value,
         growth_factor=validate.growth_factor(*growth_factor),
