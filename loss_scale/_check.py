@@ -60,8 +60,8 @@ def largest_magnitude(x: jax.Array) -> jax.Array:
     """``max|x|`` over all of a floating ``x`` as a float32 scalar: ``inf``
     when an element is not finite, 0 when ``x`` is empty. One
     ``peak_and_finite`` reduction, so NaN is never left to a float ``max``."""
-    peak, finite = peak_and_finite(x.reshape(1, -1), (1,))
-    return jnp.where(finite[0], peak[0].astype(jnp.float32), jnp.inf)
+    peak, finite = peak_and_finite(x, tuple(range(x.ndim)))
+    return jnp.where(finite, peak.astype(jnp.float32), jnp.inf)
 
 
 def _max_and_all(a, b):
@@ -127,9 +127,10 @@ SMALL_LEAF = 2**14
 
 class _Batch(NamedTuple):
     """Leaves checked by one set of reductions: ``values[j]`` holds leaf
-    ``indices[j]``, flattened and padded with zeros to the batch's width
-    (zeros are finite, do not raise the peak and add nothing to a norm;
-    ``padding`` counts them per row)."""
+    ``indices[j]``, a large leaf in its own shape, small ones flattened and
+    padded with zeros to the batch's width (zeros are finite, do not raise
+    the peak and add nothing to a norm; ``padding`` counts them per row).
+    Each row is reduced over all its axes."""
 
     indices: list[int]
     values: jax.Array
@@ -138,9 +139,16 @@ class _Batch(NamedTuple):
 
 
 def _batches(leaves: list, axis_name: AxisName | None) -> list[_Batch]:
-    """Big leaves one by one (as a row, a free reshape); small leaves of the
-    same dtype, ``shard_map`` axis type and power-of-two size class stacked
-    into one array."""
+    """Big leaves one by one, in their own shape; small leaves of the same
+    dtype, ``shard_map`` axis type and power-of-two size class stacked into
+    one array.
+
+    A big leaf is not flattened: a reshape fixes the order of the read to
+    the logical row-major one, and a gradient that XLA keeps transposed in
+    memory (a float16 weight gradient on XLA:CPU: the dot's output, read
+    through a transpose) is then read a row apart per element. Reduced over
+    its own axes, it is read in memory order: on a 2048x2048 float16 weight
+    gradient, 2.6 ms against 25 ms flattened (2-core x86, jaxlib 0.10.2)."""
     batches, buckets = [], {}
     for i, x in enumerate(leaves):
         if not is_float_leaf(x):
@@ -148,7 +156,7 @@ def _batches(leaves: list, axis_name: AxisName | None) -> list[_Batch]:
         varying = varying_axes(jax.typeof(x))
         sharded = axis_name is not None and bool(axis_names(axis_name) & varying)
         if x.size > SMALL_LEAF:
-            batches.append(_Batch([i], x.reshape(1, -1), np.zeros(1), sharded))
+            batches.append(_Batch([i], x[None], np.zeros(1), sharded))
         else:
             width = 1 << max(x.size - 1, 0).bit_length()
             buckets.setdefault((x.dtype, varying, width), []).append(i)
@@ -200,7 +208,7 @@ def gradient_stats(
     sums = {False: [], True: []}
     for batch in _batches(leaves, axis_name):
         values = batch.values
-        peak, finite = peak_and_finite(values, (1,))
+        peak, finite = peak_and_finite(values, tuple(range(1, values.ndim)))
         groups.setdefault(peak.dtype, []).append((batch.indices, peak, finite))
         if with_norm or with_underflow:
             row = []

@@ -267,7 +267,7 @@ def range_report(
         cotangents = list(grads[1]) + list(grads[0])
         stats = []
         for ct in cotangents:
-            peak, finite = peak_and_finite(ct.reshape(1, -1), (1,))
+            peak, finite = peak_and_finite(ct[None], tuple(range(1, ct.ndim + 1)))
             tiny = jnp.finfo(ct.dtype).tiny
             magnitude = jnp.abs(ct)
             stats.append(

@@ -26,6 +26,7 @@ class Instruction:
     name: str
     opcode: str
     elements: int | None  # None for tuples
+    dims: tuple[int, ...]  # () for tuples and scalars
     operands: list[str]
     attributes: str
 
@@ -57,18 +58,19 @@ def _parse_instruction(line: str) -> Instruction | None:
     if not line.startswith("%") or " = " not in line:
         return None
     name, rest = line[1:].split(" = ", 1)
+    dims: tuple[int, ...] = ()
     if rest.startswith("("):
         end = _matching(rest, 0)
         elements, rest = None, rest[end + 1 :].lstrip()
     else:
         shape, rest = rest.split(" ", 1)
         match = _ARRAY_SHAPE.match(shape)
-        dims = match.group(1) if match else ""
-        elements = math.prod(int(d) for d in dims.split(",") if d) if match else None
+        dims = tuple(int(d) for d in match.group(1).split(",") if d) if match else ()
+        elements = math.prod(dims) if match else None
     opcode = rest[: rest.index("(")]
     start = rest.index("(")
     end = _matching(rest, start)
-    return Instruction(name, opcode, elements, _NAME.findall(rest[start : end + 1]), rest[end + 1 :])
+    return Instruction(name, opcode, elements, dims, _NAME.findall(rest[start : end + 1]), rest[end + 1 :])
 
 
 def parse(hlo_text: str) -> tuple[dict[str, list[Instruction]], str]:
@@ -135,3 +137,38 @@ def traffic(hlo_text: str, min_elements: int, branch: str | None = None) -> Traf
         total.reads += inner.reads
         total.writes += inner.writes
     return total
+
+
+
+def flattened_transposed_reads(hlo_text: str, min_elements: int) -> list[str]:
+    """The kernels of the entry computation that reshape a transposed large
+    array to other dimensions (other than by adding or dropping dimensions
+    of size 1): fusions in whose computation a ``transpose`` of at least
+    ``min_elements`` elements, through layout copies and elementwise ops,
+    reaches a ``bitcast`` or ``reshape`` that merges or splits dimensions.
+
+    Such a kernel reads its operand in the logical row-major order of the
+    new shape, a row apart per element of a buffer that XLA keeps
+    transposed in memory (on XLA:CPU, the float16 weight gradient of a dot
+    is one): about 10 times dearer than a read in memory order."""
+    computations, entry = parse(hlo_text)
+    found = []
+    for ins in computations[entry]:
+        if ins.opcode != "fusion":
+            continue
+        called = re.search(r"calls=%([\w.\-]+)", ins.attributes)
+        body = computations.get(called.group(1), []) if called else []
+        transposed: set[str] = set()
+        for inner in body:
+            large = (inner.elements or 0) >= min_elements
+            if inner.opcode == "transpose" and large:
+                transposed.add(inner.name)
+            elif inner.opcode in ("bitcast", "reshape") and large and any(o in transposed for o in inner.operands):
+                before = next(i for i in body if i.name in inner.operands and i.name in transposed)
+                if [d for d in inner.dims if d != 1] != [d for d in before.dims if d != 1]:
+                    found.append(ins.name)
+                    break
+                transposed.add(inner.name)
+            elif large and any(o in transposed for o in inner.operands):
+                transposed.add(inner.name)
+    return found
