@@ -139,7 +139,6 @@ def traffic(hlo_text: str, min_elements: int, branch: str | None = None) -> Traf
     return total
 
 
-
 def flattened_transposed_reads(hlo_text: str, min_elements: int) -> list[str]:
     """The kernels of the entry computation that reshape a transposed large
     array to other dimensions (other than by adding or dropping dimensions
