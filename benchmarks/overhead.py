@@ -1,8 +1,9 @@
 #!/usr/bin/env python
 """Per-step overhead of loss scaling: loss_scale's paths against the peers.
 
-For a ~21M-parameter MLP and a ~10M-parameter causal transformer LM, each in
-float32 and in "mixed" precision (float32 params, float16 compute, float32
+For a ~21M-parameter MLP, a ~10M-parameter causal transformer LM and a
+316-parameter MLP (``tiny``: the bookkeeping's own cost), each in float32
+and in "mixed" precision (float32 params, float16 compute, float32
 loss), this times Adam trained by every variant of ``_harness/peers.py``:
 bare Adam (the baseline), ``ls.dynamic`` through ``tx.update`` and through
 ``ls.apply_gradients`` (each also fed so that every step overflows and is
@@ -133,6 +134,8 @@ def benchmark_model(
         feeds,
     )
 
+    # A tiny model's step takes microseconds: each sample times many steps.
+    steps_per_sample = models.TINY_STEPS_PER_SAMPLE if name == "tiny" else 1
     times: dict[str, dict[str, list[float]]] = {}
     for kind in ("update", "step"):
         states, inputs = {}, {}
@@ -145,15 +148,17 @@ def benchmark_model(
             states[v.name] = state
 
         def call(variant: str, kind: str = kind, states: dict = states, inputs: dict = inputs) -> None:
-            out = compiled[kind][variant](*states[variant], inputs[variant])
+            for _ in range(steps_per_sample):
+                out = compiled[kind][variant](*states[variant], inputs[variant])
+                states[variant] = tuple(out[:3])
             jax.block_until_ready(out)
-            states[variant] = tuple(out[:3])
 
-        if kind == "step":  # one step, then check every variant is on the branch it claims
+        if kind == "step":  # a sample, then check every variant is on the branch it claims
             for v in variants:
                 call(v.name)
             peers.check_applied(variants, states)
-        times[kind] = timing.round_robin(call, [v.name for v in variants], rounds, warmup)
+        per_sample = timing.round_robin(call, [v.name for v in variants], rounds, warmup)
+        times[kind] = {k: [t / steps_per_sample for t in ts] for k, ts in per_sample.items()}
         del states
 
     rows = []
@@ -215,6 +220,10 @@ def _table(rows: list[dict[str, Any]], base: str) -> str:
     return tables.markdown(headers, cells)
 
 
+def _duration(ms: float) -> str:
+    return f"{ms:.2f} ms" if ms >= 1 else f"{ms * 1e3:.1f} µs"
+
+
 def format_table(result: dict[str, Any]) -> str:
     """The markdown tables of one model and precision: the pytree variants
     against bare Adam, then (if any) the Equinox variants against bare
@@ -223,8 +232,9 @@ def format_table(result: dict[str, Any]) -> str:
     lines = [
         f"### {result['model']} {result['precision']}: {result['description']}",
         "",
-        f"bare adam: step {bare['step']['median_ms']:.2f} ms, update-only {bare['update']['median_ms']:.2f} ms "
-        f"(medians); compile step {bare['step_compile_s']:.2f} s; {result['rounds']} rounds, "
+        f"bare adam: step {_duration(bare['step']['median_ms'])}, update-only "
+        f"{_duration(bare['update']['median_ms'])} (medians); compile step {bare['step_compile_s']:.2f} s; "
+        f"{result['rounds']} rounds, "
         f"{result['warmup']} warm-up"
         + (" (quick: tiny model, XLA optimizations reduced; a smoke test, not a measurement)"
            if result.get("size") == "quick" else ""),
@@ -244,8 +254,14 @@ def format_table(result: dict[str, Any]) -> str:
     if result["model"] == "mlp" and result["precision"] == "mixed" and result.get("backend") == "cpu":
         lines.append(
             "note: on XLA:CPU the float16 MLP's weight gradients leave the dot transposed; bare Adam's fusions read "
-            "them strided while the checked variants copy them to row-major once, so the checked variants can look "
-            "faster than bare here (an XLA:CPU layout artifact, not a property of the scalers)."
+            "them a row apart per element, while a variant whose update sits in a conditional (optax.apply_if_finite) "
+            "copies them to row-major once, so it can look faster than bare here (an XLA:CPU layout artifact, not a "
+            "property of the scalers)."
+        )
+    if result["model"] == "tiny":
+        lines.append(
+            f"note: each sample times {models.TINY_STEPS_PER_SAMPLE} steps; at this size a step's time is its "
+            "kernels and buffers (on XLA:CPU about 1 µs each), not its arithmetic."
         )
     return "\n".join(lines)
 
@@ -279,7 +295,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser = cli.parser(__doc__)
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default: 20; --quick: 3)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default: 2; --quick: 1)")
-    parser.add_argument("--models", default="mlp,transformer", help="comma-separated: " + ",".join(models.MODELS))
+    parser.add_argument("--models", default="mlp,transformer,tiny", help="comma-separated: " + ",".join(models.MODELS))
     parser.add_argument("--precisions", default="f32,mixed", help="comma-separated: " + ",".join(models.PRECISIONS))
     parser.add_argument(
         "--variants",

@@ -160,7 +160,7 @@ def _batches(leaves: list, axis_name: AxisName | None) -> list[_Batch]:
         else:
             width = 1 << max(x.size - 1, 0).bit_length()
             buckets.setdefault((x.dtype, varying, width), []).append(i)
-    for (_, _, width), indices in buckets.items():
+    for width, indices in _merge_small_classes(buckets):
         rows = [leaves[i].reshape(-1) for i in indices]
         if len(rows) == 1:
             values, padding = rows[0].reshape(1, -1), np.zeros(1)
@@ -170,6 +170,24 @@ def _batches(leaves: list, axis_name: AxisName | None) -> list[_Batch]:
         sharded = axis_name is not None and bool(axis_names(axis_name) & varying_axes(jax.typeof(values)))
         batches.append(_Batch(indices, values, padding, sharded))
     return batches
+
+
+def _merge_small_classes(buckets: dict[tuple, list[int]]) -> list[tuple[int, list[int]]]:
+    """``(width, indices)`` per batch of small leaves: the size classes of
+    one dtype and axis type, narrowest first, merged while the merged batch,
+    padded to its widest class, holds at most ``SMALL_LEAF`` elements (one
+    reduction instead of one per class, where padding costs nothing)."""
+    merged: list[tuple[int, list[int]]] = []
+    open_batches: dict[tuple, int] = {}
+    for (dtype, varying, width), indices in sorted(buckets.items(), key=lambda item: item[0][2]):
+        key = (dtype, varying)
+        at = open_batches.get(key)
+        if at is not None and (len(merged[at][1]) + len(indices)) * width <= SMALL_LEAF:
+            merged[at] = (width, merged[at][1] + indices)
+        else:
+            open_batches[key] = len(merged)
+            merged.append((width, list(indices)))
+    return merged
 
 
 def gradient_stats(

@@ -91,3 +91,14 @@ def test_a_small_leaf_that_overflows_only_once_unscaled_is_found_among_many(scal
     leaves = [np.ones(64, np.float16) for _ in range(50)]
     leaves[17] = np.full(64, 60000.0, np.float16)  # x / 0.25 overflows float16
     check(leaves, scale)
+
+
+def test_the_small_leaves_of_a_tiny_model_are_checked_by_one_reduction():
+    # Four leaves in four size classes (a 316-parameter MLP's), whose merged
+    # batch is small: one reduction, not one per class.
+    leaves = [jnp.ones((10, 16)), jnp.ones(16), jnp.ones((16, 8)), jnp.ones(8)]
+    jaxpr = jax.make_jaxpr(gradient_stats)(leaves, jnp.float32(1.0))
+    reductions = [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "reduce"]
+    assert len(reductions) == 1
+    assert reductions[0].invars[0].aval.shape == (4, 256)  # padded to the widest class
+    check([np.asarray(x) for x in leaves[:2]] + [np.full((16, 8), np.inf, np.float32), np.ones(8, np.float32)], 1.0)

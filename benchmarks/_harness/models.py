@@ -21,7 +21,7 @@ PyTree = Any
 
 PRECISIONS = ("f32", "mixed")
 SIZES = ("quick", "default", "large")
-MODELS = ("mlp", "transformer")
+MODELS = ("mlp", "transformer", "tiny")
 
 
 class Model(NamedTuple):
@@ -265,6 +265,12 @@ MLP_CONFIGS = {
     "default": ((1024, 2048, 2048, 2048, 2048, 2048, 1000), 64),
     "large": ((4096, 8192, 8192, 8192, 8192, 1000), 1024),
 }
+# The tiny MLP (316 params, the size of optax's getting-started example):
+# one size, where the per-step cost is the kernels and buffers of the
+# update's bookkeeping, not arithmetic. Its steps are timed
+# ``TINY_STEPS_PER_SAMPLE`` at a time.
+TINY_CONFIG = ((8, 16, 8, 4), 32)
+TINY_STEPS_PER_SAMPLE = 200
 TRANSFORMER_CONFIGS = {
     "quick": {"vocab": 128, "d_model": 32, "n_layers": 1, "n_heads": 2, "seq_len": 16, "batch_size": 2},
     "default": {"vocab": 8192, "d_model": 256, "n_layers": 8, "n_heads": 4, "seq_len": 64, "batch_size": 4},
@@ -273,11 +279,14 @@ TRANSFORMER_CONFIGS = {
 
 
 def build(name: str, precision: str, size: str = "default") -> Model:
-    """The benchmark's model ``name`` ("mlp" or "transformer") at ``size``
-    ("quick", "default" or "large")."""
+    """The benchmark's model ``name`` ("mlp", "transformer" or "tiny") at
+    ``size`` ("quick", "default" or "large"; the tiny MLP has one size)."""
     if name == "mlp":
         sizes, batch_size = MLP_CONFIGS[size]
         return make_mlp(precision, sizes, batch_size)
+    if name == "tiny":
+        sizes, batch_size = TINY_CONFIG
+        return make_mlp(precision, sizes, batch_size)._replace(name="tiny")
     if name == "transformer":
         return make_transformer(precision, **TRANSFORMER_CONFIGS[size])
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
