@@ -20,6 +20,8 @@ from loss_scale._migrate import migrate_state, wrap_opt_state
 from loss_scale._peak import value_grad_and_peak
 from loss_scale._precision import Policy, for_dtype
 from loss_scale._range_report import RangeReport, RangeRow, range_report
+from loss_scale._rules.segmented import SegmentCounters, SegmentPeaks
+from loss_scale._segments import segment
 from loss_scale._state import LossScaleState, SkipReason, StepRecord
 from loss_scale._update import LossScaleTransformation
 
@@ -32,6 +34,8 @@ __all__ = [
     "Policy",
     "RangeReport",
     "RangeRow",
+    "SegmentCounters",
+    "SegmentPeaks",
     "SkipReason",
     "SkippedStepsError",
     "StepRecord",
@@ -50,6 +54,7 @@ __all__ = [
     "presets",
     "range_report",
     "scale_loss",
+    "segment",
     "static",
     "unscale",
     "value_and_grad",

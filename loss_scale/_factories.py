@@ -10,6 +10,7 @@ both to the update (``loss_scale/_update.py``). The presets
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any
 
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from loss_scale import _validate as validate
 from loss_scale._options import Options, Unpack, settings_from, takes_options
 from loss_scale._rules.dynamic import DynamicRule
 from loss_scale._rules.predictive import PredictiveRule
+from loss_scale._rules.segmented import SegmentedRule
 from loss_scale._rules.static import fixed
 from loss_scale._update import LossScaleTransformation, loss_scaled
 
@@ -181,6 +183,7 @@ def predictive(
     max_scale: float = 2.0**24,
     initial_headroom: int = 12,
     compute_dtype: Any = "float16",
+    segments: Sequence[str] | None = None,
     **options: Unpack[Options],
 ) -> LossScaleTransformation:
     """Loss scaling that aims the scale at the recent gradient peak.
@@ -233,11 +236,25 @@ def predictive(
         parameter gradients the backward pass's values may get.
       compute_dtype: the dtype of the backward pass, whose largest value is
         the overflow threshold (float16: 65504).
+      segments: the names of the boundaries (``loss_scale.segment(x,
+        name)``) that get a scale of their own: per-segment scaling. The
+        global scale then follows this rule as without segments, measured
+        over the whole backward pass, and on every measuring step each
+        boundary's factor ``2**e`` is set so that the measured largest
+        cotangent of every segment sits ``min_headroom`` binades (plus what
+        overflows taught) below the threshold (``SegmentedRule`` in
+        ``loss_scale/_rules/segmented.py``). Measure with
+        ``loss_scale.value_grad_and_peak`` and pass its peaks on as
+        ``backward_peak``; ``loss_scale.value_and_grad`` applies the factors
+        without measuring. A loss function without boundaries trains
+        exactly as without ``segments``.
       **options: the keyword options.
 
     Returns:
       A ``LossScaleTransformation`` whose state is a ``LossScaleState`` with
-      ``PredictiveCounters`` (``headroom``, ``grad_peak``, ...).
+      ``PredictiveCounters`` (``headroom``, ``grad_peak``, ...), or with
+      ``segments``, ``SegmentCounters`` (the same fields, then
+      ``segment_exponents`` and the last measurement of each segment).
 
     Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
@@ -261,7 +278,7 @@ def predictive(
     if not 1 <= half_life < math.inf:
         raise ValueError(f"peak_half_life must be finite and >= 1 step, got {peak_half_life!r}")
     dtype = validate.floating_dtype("compute_dtype", compute_dtype)
-    rule = PredictiveRule(
+    settings = dict(
         initial_scale=initial,
         initial_headroom=first,
         min_headroom=lowest,
@@ -271,4 +288,8 @@ def predictive(
         max_scale=maximum,
         overflow_threshold=min(float(jnp.finfo(dtype).max), validate.FLOAT32_MAX),
     )
+    if segments is None:
+        rule = PredictiveRule(**settings)
+    else:
+        rule = SegmentedRule(**settings, segments=validate.segment_names("segments", segments))
     return loss_scaled(inner, rule, settings_from("predictive", options))

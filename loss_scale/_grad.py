@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from loss_scale._find import find_state, state_argument
+from loss_scale._segments import SegmentedGradient
 from loss_scale._sharding import axis_names, varying_axes
 from loss_scale._signatures import named_after, need_arguments, takes_first
 from loss_scale._types import AxisName, PyTree
@@ -107,8 +108,13 @@ def value_and_grad(
     def wrapped(*args, **kwargs):
         need_arguments(args, ["opt_state"], call)
         opt_state, *args = args
-        scale = state_argument(opt_state, call).scale
-        scaled, averaged = data_parallel_objective(fun, has_aux, scale, axis_name)
+        state = state_argument(opt_state, call)
+        scaled, averaged = data_parallel_objective(fun, has_aux, state.scale, axis_name)
+        # Boundaries (loss_scale.segment) in force where the optimizer has segments.
+        segmented = SegmentedGradient.prepare(scaled, argnums, tuple(args), kwargs, state, allow_int=allow_int)
+        if segmented is not None:
+            grads, out = segmented.plain()
+            return out, averaged(grads)
         grad_fn = jax.grad(scaled, argnums=argnums, has_aux=True, allow_int=allow_int)
         grads, out = grad_fn(*args, **kwargs)
         return out, averaged(grads)

@@ -7,6 +7,14 @@ import jax
 from loss_scale._find import find_state
 from loss_scale._types import PyTree
 
+# SegmentCounters' fields, by the key they get for each segment.
+_SEGMENT_KEYS = {
+    "segment_exponents": "exponent",
+    "segment_peak": "peak",
+    "segment_zero_fraction": "zero_fraction",
+    "segment_below_normal_fraction": "below_normal_fraction",
+}
+
 
 def metrics(opt_state: PyTree, prefix: str = "loss_scale/") -> dict[str, jax.Array]:
     """A flat dict of scalars describing the scaler, for any logger.
@@ -21,7 +29,11 @@ def metrics(opt_state: PyTree, prefix: str = "loss_scale/") -> dict[str, jax.Arr
       ``backoffs``, ``steps_at_min``, ``grad_max``; when tracked,
       ``grad_norm``, ``zero_fraction`` and ``below_normal_fraction``; and the
       rule's own counters by name (``overflows_left`` for ``dynamic``,
-      ``headroom`` and ``grad_peak`` for ``predictive``...). These keys are
+      ``headroom`` and ``grad_peak`` for ``predictive``...); with segments
+      (``predictive(..., segments=...)``), ``segment/<name>/exponent`` for
+      each boundary and ``segment/<name>/peak``, ``/zero_fraction`` and
+      ``/below_normal_fraction`` (the last measurement) for each segment
+      and for ``loss``, the loss's own segment. These keys are
       the stable view of the state. Works inside ``jit``; pass the result to
       clu, tensorboardX or wandb as it is.
 
@@ -39,7 +51,13 @@ def metrics(opt_state: PyTree, prefix: str = "loss_scale/") -> dict[str, jax.Arr
     del record["nonfinite_leaves"]  # one flag per leaf, not a scalar: see overflow_paths
     # The order of 0.2.0's keys: the scale, the stable skip counts, good_steps, the rest.
     stable = {name: record.pop(name) for name in ("skipped", "skipped_steps", "consecutive_skips")}
-    values = {"scale": state.scale} | stable | {"good_steps": state.good_steps} | record | state.counters._asdict()
+    counters = state.counters._asdict()
+    # Per-segment values (dicts by segment name) become one key each.
+    segments = {}
+    for field, key in _SEGMENT_KEYS.items():
+        for name, value in sorted(counters.pop(field, {}).items()):
+            segments[f"segment/{name}/{key}"] = value
+    values = {"scale": state.scale} | stable | {"good_steps": state.good_steps} | record | counters | segments
     return {prefix + name: value for name, value in values.items() if value is not None}
 
 

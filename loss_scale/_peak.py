@@ -28,6 +28,7 @@ from loss_scale._check import largest_magnitude
 from loss_scale._find import state_argument
 from loss_scale._grad import data_parallel_objective
 from loss_scale._probe import Evaluator, on_paths
+from loss_scale._segments import SegmentedGradient
 from loss_scale._sharding import axis_names, vary_along, varying_axes
 from loss_scale._signatures import named_after
 from loss_scale._types import AxisName, PyTree
@@ -129,6 +130,21 @@ def value_grad_and_peak(
     def wrapped(opt_state: PyTree, *args, **kwargs):
         state = state_argument(opt_state, "loss_scale.value_grad_and_peak(fun)(opt_state, *args, **kwargs)")
         scaled, averaged = data_parallel_objective(fun, has_aux, state.scale, axis_name)
+        skip = jax.lax.stop_gradient(state.good_steps) % every != 0
+        # Boundaries (loss_scale.segment) in force where the optimizer has
+        # segments: each segment measured on its own.
+        segmented = SegmentedGradient.prepare(scaled, argnums, args, kwargs, state, compute_dtype=dtype)
+        if segmented is not None:
+
+            def plain_segments():
+                grads, out = segmented.plain()
+                return out, averaged(grads), segmented.unmeasured_peaks()
+
+            def measured_segments():
+                grads, out, peaks = segmented.measured(axis_name)
+                return out, averaged(grads), peaks
+
+            return jax.lax.cond(skip, plain_segments, measured_segments)
 
         def plain():
             grads, out = jax.grad(scaled, argnums=argnums, has_aux=True)(*args, **kwargs)
@@ -148,7 +164,6 @@ def value_grad_and_peak(
 
         # lax.cond traces its first branch first: the plain one, so that a
         # misuse raises jax.grad's own error.
-        skip = jax.lax.stop_gradient(state.good_steps) % every != 0
         return jax.lax.cond(skip, plain, measured)
 
     return wrapped

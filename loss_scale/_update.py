@@ -29,6 +29,7 @@ import optax
 from loss_scale._check import gradient_stats
 from loss_scale._errors import raise_when_stuck, warn_about_float16_state
 from loss_scale._rules import Rule, RuleState, select
+from loss_scale._rules.segmented import SegmentedRule, SegmentPeaks
 from loss_scale._saturating import increment
 from loss_scale._settings import Settings
 from loss_scale._sharding import match_varying, zeros_like_shapes
@@ -111,6 +112,11 @@ def loss_scaled(inner: Any, rule: Rule, settings: Settings) -> LossScaleTransfor
         # reduce_on_plateau takes value=), never the peak.
         extra_args = dict(extra_args)
         backward_peak = _backward_peak(extra_args.pop("backward_peak", None), settings.axis_name)
+        if isinstance(backward_peak, SegmentPeaks) and not isinstance(rule, SegmentedRule):
+            raise TypeError(
+                "backward_peak holds the peaks of an optimizer with segments (loss_scale.predictive(..., "
+                "segments=...)), and this optimizer has none: measure with this optimizer's state"
+            )
         loss = extra_args.get("value")
 
         # 1. Check: one read of every gradient, and of the loss when passed.
@@ -339,12 +345,23 @@ def _loss_finite(value: Any, axis_name: Any) -> jax.Array:
     return finite
 
 
-def _backward_peak(peak: Any, axis_name: Any) -> jax.Array | None:
+def _backward_peak(peak: Any, axis_name: Any) -> jax.Array | SegmentPeaks | None:
     """The ``backward_peak=`` extra argument as a float32 scalar (the
     largest over ``axis_name``, so that every replica moves its scale
-    alike); ``None`` when not passed."""
+    alike), or the ``SegmentPeaks`` of an optimizer with segments (their
+    peaks the largest, their counts summed over ``axis_name``); ``None``
+    when not passed."""
     if peak is None:
         return None
+    if isinstance(peak, SegmentPeaks):
+        if axis_name is not None:
+            peak = SegmentPeaks(
+                peak.keys,
+                peak.names,
+                jax.lax.pmax(peak.peak, axis_name),
+                *(jax.lax.psum(x, axis_name) for x in (peak.zeros, peak.below_normal, peak.count)),
+            )
+        return peak
     peak = jnp.asarray(peak)
     if peak.shape != () or not jnp.issubdtype(peak.dtype, jnp.floating):
         raise TypeError(

@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from loss_scale._types import LOSS_SEGMENT
+
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 FLOAT32_TINY = float(np.finfo(np.float32).tiny)
 INT32_MAX = int(np.iinfo(np.int32).max)
@@ -195,3 +197,33 @@ def floating_dtype(name: str, value: Any) -> np.dtype:
     if not jnp.issubdtype(dtype, jnp.floating):
         raise ValueError(f"{name} must be a floating dtype, got {dtype}")
     return dtype
+
+
+def segment_name(name: str, value: Any) -> str:
+    """A boundary's name (``loss_scale.segment``): a non-empty string
+    without ``[``, ``]`` or ``/`` (they delimit JAX's name scopes), other
+    than ``"loss"``, which names the loss's own segment."""
+    if not isinstance(value, str) or not value:
+        raise TypeError(f"{name} must be a non-empty string, got {value!r}")
+    if set(value) & set("[]/"):
+        raise ValueError(f"{name} may not contain '[', ']' or '/', got {value!r}")
+    if value == LOSS_SEGMENT:
+        raise ValueError(
+            f"{name}: {LOSS_SEGMENT!r} names the segment that holds the loss (the values no boundary separates "
+            "from it); choose another name for a boundary"
+        )
+    return value
+
+
+def segment_names(name: str, value: Any) -> tuple[str, ...]:
+    """The boundaries of per-segment scaling: a non-empty sequence of
+    distinct ``segment_name``s (not one string), sorted."""
+    if isinstance(value, str) or not hasattr(value, "__iter__"):
+        raise TypeError(f"{name} must be a sequence of segment names, e.g. ('embed', 'rnn'), got {value!r}")
+    names = [segment_name(f"{name}[{i}]", v) for i, v in enumerate(value)]
+    if not names:
+        raise ValueError(f"{name} must name at least one segment (leave it None for one global scale)")
+    repeated = sorted({n for n in names if names.count(n) > 1})
+    if repeated:
+        raise ValueError(f"{name} names {repeated} more than once")
+    return tuple(sorted(names))

@@ -34,6 +34,7 @@ import optax
 from loss_scale._find import state_argument as _state_argument
 from loss_scale._fused import apply_gradients as _apply_gradients
 from loss_scale._grad import scaled_objective
+from loss_scale._segments import SegmentedGradient as _SegmentedGradient
 from loss_scale._signatures import named_after as _named_after
 from loss_scale._signatures import need_arguments as _need_arguments
 from loss_scale._signatures import takes_first as _takes_first
@@ -83,8 +84,18 @@ def filter_value_and_grad(fun: Callable[..., Any], *, has_aux: bool = False) -> 
     def wrapped(*args: Any, **kwargs: Any) -> tuple[Any, PyTree]:
         _need_arguments(args, ["opt_state", "model"], call)
         opt_state, model, *args = args
-        scale = jax.lax.stop_gradient(_state_argument(opt_state, call).scale)
-        scaled = scaled_objective(fun, has_aux, scale)
+        state = _state_argument(opt_state, call)
+        scaled = scaled_objective(fun, has_aux, jax.lax.stop_gradient(state.scale))
+        # Boundaries (loss_scale.segment) in force where the optimizer has segments.
+        diff, static = eqx.partition(model, eqx.is_inexact_array)
+
+        def of_diff(diff, *args, **kwargs):
+            return scaled(eqx.combine(diff, static), *args, **kwargs)
+
+        segmented = _SegmentedGradient.prepare(of_diff, 0, (diff, *args), kwargs, state)
+        if segmented is not None:
+            grads, out = segmented.plain()
+            return out, grads
         (_, out), grads = eqx.filter_value_and_grad(scaled, has_aux=True)(model, *args, **kwargs)
         return out, grads
 

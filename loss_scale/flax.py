@@ -50,6 +50,8 @@ from loss_scale._find import state_argument as _state_argument
 from loss_scale._fused import apply_gradients as _apply_gradients
 from loss_scale._grad import scaled_objective
 from loss_scale._metrics import metrics as _metrics
+from loss_scale._segments import SegmentedGradient as _SegmentedGradient
+from loss_scale._segments import segment_names as _segment_names
 from loss_scale._signatures import named_after as _named_after
 from loss_scale._signatures import need_arguments as _need_arguments
 from loss_scale._signatures import takes_first as _takes_first
@@ -185,11 +187,39 @@ def nnx_value_and_grad(
         state = _state_argument(optimizer, call, "the nnx.Optimizer (or its opt_state)")
         scale = jax.lax.stop_gradient(nnx.as_pure(state.scale))
         scaled = scaled_objective(loss_fn, has_aux, scale)
+        if _segment_names(state) is not None:
+            segmented = _nnx_segmented(scaled, diff_filter, model, args, kwargs, nnx.as_pure(state))
+            if segmented is not None:
+                return segmented
         grad_fn = nnx.grad(scaled, argnums=nnx.DiffState(0, diff_filter), has_aux=True)
         grads, out = grad_fn(model, *args, **kwargs)
         return out, grads
 
     return _takes_first(wrapped, ["optimizer", "model"])
+
+
+def _nnx_segmented(scaled: Callable, diff_filter: Any, model: Any, args: list, kwargs: dict, state: Any) -> Any:
+    """``(value, grads)`` of ``nnx_value_and_grad`` with the boundaries of
+    ``state`` in force (``loss_scale.segment``), as ``nnx.grad`` gives them:
+    the gradients an ``nnx.State`` of the variables ``diff_filter``
+    selects, and the model's other variables updated as ``scaled`` left
+    them (batch statistics, RNG counters). ``None`` when the loss function
+    has no boundary."""
+    graphdef, diff, rest = nnx.split(model, diff_filter, ...)
+
+    def objective(diff, *args, **kwargs):
+        # Fresh variables of this trace for the rest too (the model's own
+        # may not be mutated from inside it).
+        copy = nnx.merge(graphdef, diff, jax.tree.map(lambda x: x, rest))
+        target, out = scaled(copy, *args, **kwargs)
+        return target, (out, nnx.state(copy, nnx.Not(diff_filter)))
+
+    segmented = _SegmentedGradient.prepare(objective, 0, (diff, *args), kwargs, state)
+    if segmented is None:
+        return None
+    grads, (out, updated) = segmented.plain()
+    nnx.update(model, updated)
+    return out, grads
 
 
 def apply_gradients(state: Any, grads: PyTree, **extra_args: Any) -> Any:

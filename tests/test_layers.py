@@ -45,6 +45,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "_probe",
         "_peak",
         "_range_report",
+        "_segments",
         "presets",
         "flax",
         "equinox",

@@ -1,0 +1,169 @@
+"""The segment marker and the two custom-VJP identities the per-segment
+gradient is built from.
+
+``segment(x, name)`` is an identity. Traced, it leaves one ``custom_vjp``
+equation per call under the name scope ``loss_scale.segment[name]``, which
+is how ``analysis.py`` finds the boundaries in a loss function's jaxpr; its
+own backward pass is the identity too, so a marked model differentiated by
+``jax.grad`` (or by a loss-scaling optimizer without segments) is exactly
+the unmarked one. Only the per-segment gradient (``_segments.gradients``)
+gives a marker its factor, by evaluating the jaxpr with ``rescaled`` in its
+place.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from loss_scale import _validate as validate
+from loss_scale._check import largest_magnitude
+from loss_scale._types import PyTree
+
+SCOPE = "loss_scale.segment"
+# The last component of an equation's name stack, e.g.
+# "Encoder/loss_scale.segment[encoder]" or "vmap(loss_scale.segment[encoder])".
+_MARKER_SCOPE = re.compile(r"loss_scale\.segment\[([^\[\]/]+)\]\)*$")
+_CUSTOM_VJP = ("custom_vjp_call", "custom_vjp_call_jaxpr")
+
+
+@jax.custom_vjp
+def _identity(leaves: list[jax.Array]) -> list[jax.Array]:
+    return leaves
+
+
+def _identity_fwd(leaves):
+    return leaves, None
+
+
+def _identity_bwd(_, cotangents):
+    return (cotangents,)
+
+
+_identity.defvjp(_identity_fwd, _identity_bwd)
+
+
+def segment(x: PyTree, name: str) -> PyTree:
+    """Marks a boundary in the backward pass: ``x`` and everything computed
+    before it belong to segment ``name``, whose cotangents a per-segment
+    loss scale (``loss_scale.predictive(..., segments=...)``) multiplies by
+    a power of two of their own.
+
+    The forward pass is the identity. In the backward pass, the cotangent
+    of ``x`` is multiplied by the segment's factor ``2**e`` (``e`` kept in
+    the optimizer state, chosen from measured peaks) before it flows on to
+    what computed ``x``: a model whose later layers have large cotangents
+    and whose early layers have small ones (a deep unnormalised network, a
+    recurrent network unrolled far back in time, a large output head over a
+    small embedding) gets a scale per part, where one global scale would
+    overflow the first or flush the last to zero. Factors compound: below
+    two boundaries the cotangents carry both factors. Every parameter's
+    gradient is brought back to the global scale exactly (powers of two, in
+    float32) where the parameter is used, so the optimizer sees gradients
+    as with one scale.
+
+    Outside a per-segment gradient (``jax.grad``, or a loss-scaling
+    optimizer without ``segments``) the marker does nothing: its backward
+    pass is the identity, and the compiled program is the unmarked one.
+    It may be used inside ``jax.jit``, ``jax.checkpoint``, ``jax.vmap``,
+    ``lax.cond`` and ``lax.scan`` bodies (a boundary crossed once per
+    iteration compounds per iteration), in flax linen and NNX modules and
+    in Equinox modules.
+
+    Args:
+      x: an array or a pytree of arrays (activations; or, for a parameter
+        used on both sides of boundaries, the parameter itself, passed
+        along with the activations, see the guide). Non-floating leaves
+        pass through.
+      name: the segment's name, one of the ``segments`` the optimizer was
+        built with.
+
+    Returns:
+      ``x``, unchanged.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, loss_scale as ls
+      >>> def loss_fn(w, x):
+      ...     h = ls.segment(jnp.tanh(x @ w["embed"]), "embed")  # embed below, head above
+      ...     return jnp.mean((h @ w["head"]) ** 2)
+      >>> w = {"embed": jnp.ones((3, 4)), "head": jnp.ones((4, 2))}
+      >>> grads = jax.grad(loss_fn)(w, jnp.ones((5, 3)))  # plain jax.grad: the marker does nothing
+      >>> bool(jnp.all(grads["embed"] == jax.grad(lambda w, x: jnp.mean((jnp.tanh(x @ w["embed"]) @ w["head"]) ** 2))(
+      ...     w, jnp.ones((5, 3)))["embed"]))
+      True
+    """
+    validate.segment_name("name", name)
+    leaves, tree = jax.tree.flatten(x)
+    floating = [i for i, leaf in enumerate(leaves) if _is_floating(leaf)]
+    if not floating:
+        return x
+    with jax.named_scope(f"{SCOPE}[{name}]"):
+        marked = _identity([leaves[i] for i in floating])
+    for i, leaf in zip(floating, marked, strict=True):
+        leaves[i] = leaf
+    return jax.tree.unflatten(tree, leaves)
+
+
+def _is_floating(x: Any) -> bool:
+    return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def marker_name(eqn: Any) -> str | None:
+    """The segment name of a marker equation, ``None`` for any other."""
+    if eqn.primitive.name not in _CUSTOM_VJP:
+        return None
+    match = _MARKER_SCOPE.search(str(eqn.source_info.name_stack))
+    return match.group(1) if match else None
+
+
+@jax.custom_vjp
+def rescaled(x: jax.Array, factor: jax.Array) -> jax.Array:
+    """``x``, whose cotangent is multiplied by ``factor`` (a float32 power of
+    two) in the backward pass: in float32, then rounded to ``x``'s dtype,
+    so that the product is exact wherever it fits that dtype."""
+    return x
+
+
+def _rescaled_fwd(x, factor):
+    return x, factor
+
+
+def _rescaled_bwd(factor, ct):
+    return (ct.astype(jnp.promote_types(ct.dtype, jnp.float32)) * factor).astype(ct.dtype), jnp.zeros_like(factor)
+
+
+rescaled.defvjp(_rescaled_fwd, _rescaled_bwd)
+
+
+@jax.custom_vjp
+def probed(x: jax.Array, probe: jax.Array) -> jax.Array:
+    """``x``, whose backward pass also writes what its cotangent looked like
+    into the "cotangent" of ``probe`` (float32[3], zeros): the largest
+    magnitude (inf when an element is not finite), how many elements are
+    exactly 0 and how many are below the smallest normal of ``x``'s dtype
+    (flushed or subnormal). Not a linear map: only for a ``probe`` used
+    once, read from ``jax.grad`` and never differentiated further."""
+    return x
+
+
+def _probed_fwd(x, probe):
+    return x, None
+
+
+def _probed_bwd(_, ct):
+    magnitude = jnp.abs(ct)
+    tiny = jnp.finfo(ct.dtype).tiny
+    stats = jnp.stack(
+        [
+            largest_magnitude(ct),
+            jnp.sum(magnitude == 0, dtype=jnp.float32),
+            jnp.sum(magnitude < tiny, dtype=jnp.float32),
+        ]
+    )
+    return ct, stats
+
+
+probed.defvjp(_probed_fwd, _probed_bwd)
