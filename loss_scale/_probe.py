@@ -102,17 +102,20 @@ class Evaluator:
         self.probed = probed
         self.trace = trace
         self.sites: list[Site] = []
+        # The jaxpr variable of each site (of the jaxpr or of a call evaluated inside).
+        self.variables: list[Any] = []
         self.dependent: list[bool] = []
         self.values: list[jax.Array] = []  # the probed values, probe added
         self.inlined: set[str] = set()
         self.whole: set[str] = set()
         self._used = 0
 
-    def probe(self, x: Any, where: str, primitive: str) -> Any:
+    def probe(self, x: Any, where: str, primitive: str, var: Any = None) -> Any:
         if not is_probed(x):
             return x
         index = len(self.sites)
         self.sites.append(Site(where, primitive, tuple(x.shape), x.dtype, varying_axes(jax.typeof(x))))
+        self.variables.append(var)
         if self.trace is not None:
             dependent = _trace_of(x) is self.trace
             self.dependent.append(dependent)
@@ -156,7 +159,7 @@ class Evaluator:
                 if not eqn.primitive.multiple_results:
                     outs = [outs]
                 where = _describe(eqn, prefix)
-                outs = [self.probe(x, where, name) for x in outs]
+                outs = [self.probe(x, where, name, v) for x, v in zip(outs, eqn.outvars, strict=True)]
             for v, x in zip(eqn.outvars, outs, strict=True):
                 if type(v).__name__ != "DropVar":  # an output nobody reads
                     env[v] = x
@@ -165,13 +168,15 @@ class Evaluator:
 
 class Paths(NamedTuple):
     """What ``on_paths`` found: every candidate site, which of them are on a
-    path from the differentiated inputs to the loss (``probed``), and the
-    equations evaluated inside and kept whole."""
+    path from the differentiated inputs to the loss (``probed``), the
+    equations evaluated inside and kept whole, and each candidate's jaxpr
+    variable."""
 
     candidates: list[Site]
     probed: list[bool]
     inlined: set[str]
     whole: set[str]
+    variables: list[Any] = []
 
     @property
     def sites(self) -> list[Site]:
@@ -216,7 +221,7 @@ def on_paths(closed: Any, leaves: Sequence[Any], differentiated: Sequence[bool],
         used: list[bool] = []
         jax.eval_shape(analyse, list(leaves))
         probed = [d and u for d, u in zip(dependent, used, strict=True)]
-    return Paths(candidates, probed, discover.inlined, discover.whole)
+    return Paths(candidates, probed, discover.inlined, discover.whole, discover.variables)
 
 
 def _used_inputs(closed: Any) -> list[bool]:

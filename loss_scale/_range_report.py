@@ -20,7 +20,7 @@ plainly, as ``jax.grad`` evaluates them (a ``while_loop`` or
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -28,9 +28,14 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
+from loss_scale import _validate as validate
 from loss_scale._check import largest_magnitude, peak_and_finite
 from loss_scale._probe import Evaluator, is_probed, on_paths
-from loss_scale._types import PyTree
+from loss_scale._rules.segmented import _owners
+from loss_scale._segments import Segmented
+from loss_scale._segments.analysis import Analyser, all_potentials
+from loss_scale._segments.evaluate import new_probes
+from loss_scale._types import LOSS_SEGMENT, PyTree
 from loss_scale._unscale import unscale_dtype as _at_least_float32
 from loss_scale._validate import floating_dtype
 
@@ -69,6 +74,36 @@ class RangeRow(NamedTuple):
     backward_below_normal: float
     overflows: bool
     headroom: float
+    segment: str = ""
+
+
+class SegmentRow(NamedTuple):
+    """One segment of the backward pass with its boundaries in force
+    (``range_report(..., segments=...)``).
+
+    Attributes:
+      name: the boundary's name, or ``"loss"`` for the loss's own segment
+        (the segment of a value is the deepest boundary its paths to the
+        loss cross).
+      exponent: the boundary's exponent (0 for ``"loss"``).
+      scale: the smallest scale its cotangents carry (the report's scale
+        times the factors of the boundaries crossed); a boundary crossed
+        once per step of a scan gives larger ones further back.
+      backward_max: the largest cotangent magnitude in the segment at those
+        scales (inf when one was not finite).
+      backward_zero: fraction of the segment's cotangent elements exactly 0.
+      backward_below_normal: fraction below the dtype's smallest normal
+        (zeros included).
+      overflows: whether a cotangent of the segment was not finite.
+    """
+
+    name: str
+    exponent: int
+    scale: float
+    backward_max: float
+    backward_zero: float
+    backward_below_normal: float
+    overflows: bool
 
 
 class RangeReport(NamedTuple):
@@ -83,12 +118,17 @@ class RangeReport(NamedTuple):
         overflows (``None`` when none up to ``2**-64`` is safe, e.g. when the
         forward pass is not finite).
       notes: what was evaluated inside and what was kept whole.
+      segments: with ``segments``, one ``SegmentRow`` per segment: the
+        backward pass with its boundaries in force (the rows are at the
+        one scale ``scale``, so the two side by side show what the
+        boundaries change); ``None`` otherwise.
     """
 
     rows: list[RangeRow]
     scale: float
     max_safe_scale: float | None
     notes: str
+    segments: list[SegmentRow] | None = None
 
     @property
     def overflowing(self) -> list[RangeRow]:
@@ -135,6 +175,7 @@ def range_report(
     compute_dtype: Any = None,
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
+    segments: Mapping[str, int] | None = None,
 ) -> RangeReport:
     """Runs ``fun(*args)`` forward and backward once at loss scale ``scale``
     and reports the range of every floating intermediate.
@@ -169,6 +210,12 @@ def range_report(
       has_aux: whether ``fun`` returns ``(loss, aux)`` (a tuple or a list,
         as ``jax.value_and_grad`` accepts); values only ``aux`` reads get no
         row.
+      segments: the exponents of ``fun``'s boundaries (``loss_scale.segment``)
+        by name, e.g. an optimizer state's
+        ``ls.find_state(opt_state).segment_exponents``: each row is then
+        labelled with its segment (``RangeRow.segment``), and
+        ``report.segments`` gives each segment's scale, largest cotangent
+        and flush fractions with the boundaries in force.
 
     Returns:
       A ``RangeReport``.
@@ -323,7 +370,101 @@ def range_report(
         notes.append("looked into: " + ", ".join(sorted(paths.inlined)))
     if paths.whole:
         notes.append("kept whole (their outputs only): " + ", ".join(sorted(paths.whole)))
-    return RangeReport(rows, float(scale), safe, "; ".join(notes))
+    segment_rows = None
+    if segments is not None:
+        exponents = _segment_exponents(segments)
+        labels = _segment_labels(closed, differentiated, exponents, paths, len(arg_sites))
+        rows = [row._replace(segment=label) for row, label in zip(rows, labels, strict=True)]
+        segment_rows = _segment_rows(loss_of, arrays, differentiated, exponents, scale, dtype)
+    return RangeReport(rows, float(scale), safe, "; ".join(notes), segment_rows)
+
+
+def _segment_exponents(segments: Mapping[str, int]) -> dict[str, int]:
+    if not isinstance(segments, Mapping):
+        raise TypeError(
+            f"segments must map each boundary's name to its exponent (e.g. ls.find_state(opt_state)."
+            f"segment_exponents), got {type(segments).__name__}"
+        )
+    return {validate.segment_name("segments' name", name): int(e) for name, e in segments.items()}
+
+
+def _segment_labels(closed, differentiated, exponents, paths, n_arguments) -> list[str]:
+    """Each row's segment: the arguments the loss's (they are held at the
+    global scale), the rest the deepest boundary their paths cross."""
+    names = tuple(sorted(exponents))
+    plan = Analyser(names).analyse(closed, differentiated)
+    found = all_potentials(plan)
+    keys = sorted({found[v] for v in paths.variables if v in found} | {(0,) * len(names)})
+    owners = dict(zip(keys, _owners(np.asarray(keys, np.int32).reshape(len(keys), len(names))), strict=True))
+    labels = [LOSS_SEGMENT] * n_arguments
+    for variable, probed in zip(paths.variables, paths.probed, strict=True):
+        if probed:
+            potential = found.get(variable)
+            owner = owners.get(potential, 0) if potential is not None else 0
+            labels.append(LOSS_SEGMENT if owner == 0 else names[owner - 1])
+    return labels
+
+
+def _segment_rows(loss_of, arrays, differentiated, exponents, scale, dtype) -> list[SegmentRow]:
+    """The backward pass with the boundaries in force, each segment's
+    statistics (``SegmentPeaks`` at ``scale``, by name)."""
+    leaves = jax.tree.leaves(arrays)
+    tree = jax.tree.structure(arrays)
+
+    def scaled(leaves):
+        loss = loss_of(jax.tree.unflatten(tree, leaves))
+        return loss.astype(_at_least_float32(loss.dtype)) * scale, None
+
+    compute = dtype if dtype is not None else _widest_16bit(leaves)
+    segmented = Segmented.with_exponents(scaled, leaves, exponents, differentiated, compute)
+    if segmented is None:
+        raise ValueError("segments were given, but the loss function has no boundary (loss_scale.segment)")
+
+    @jax.jit
+    def measure(leaves):
+        def objective(diff, probes):
+            call = [d if flag else x for d, x, flag in zip(diff, leaves, differentiated, strict=True)]
+            return segmented.evaluate(call, probes)
+
+        probes = new_probes(segmented.sites)
+        (at_leaves, at_probes), _ = jax.grad(objective, argnums=(0, 1), has_aux=True)(list(leaves), probes)
+        at_leaves = [g for g, flag in zip(at_leaves, differentiated, strict=True) if flag]
+        return segmented.peaks(at_probes, at_leaves)
+
+    peaks = jax.device_get(measure(leaves))
+    names = segmented.names
+    keys = np.asarray(peaks.keys, np.int32).reshape(len(peaks.keys), len(names))
+    owners = _owners(keys)
+    rows = []
+    for s, name in enumerate((LOSS_SEGMENT, *names)):
+        parts = np.flatnonzero(owners == s)
+        if not parts.size:
+            continue
+        power = keys[parts] @ np.asarray([exponents[n] for n in names], np.int64) if names else np.zeros(len(parts))
+        count = float(np.sum(peaks.count[parts]))
+        peak = float(np.max(peaks.peak[parts]))
+        rows.append(
+            SegmentRow(
+                name=name,
+                exponent=0 if s == 0 else exponents[name],
+                scale=float(scale * 2.0 ** int(np.min(power))),
+                backward_max=peak,
+                backward_zero=float(np.sum(peaks.zeros[parts])) / max(count, 1.0),
+                backward_below_normal=float(np.sum(peaks.below_normal[parts])) / max(count, 1.0),
+                overflows=not math.isfinite(peak),
+            )
+        )
+    return rows
+
+
+def _widest_16bit(leaves: Sequence[Any]) -> jnp.dtype:
+    """The dtype whose cotangents the segments' statistics count when no
+    compute dtype is given: float16 unless no leaf is float16 and one is
+    bfloat16."""
+    dtypes = {jnp.dtype(x.dtype) for x in leaves if hasattr(x, "dtype")}
+    if jnp.dtype(jnp.float16) not in dtypes and jnp.dtype(jnp.bfloat16) in dtypes:
+        return jnp.dtype(jnp.bfloat16)
+    return jnp.dtype(jnp.float16)
 
 
 def _max_safe_scale(run, all_finite, stats, dtypes, scale: float) -> float | None:
@@ -357,11 +498,15 @@ def format_report(report: RangeReport, limit: int = 20) -> str:
     ]
     if report.notes:
         lines.append(report.notes)
+    labelled = report.segments is not None
     header = ("where", "op", "shape", "dtype", "fwd max", "bwd max", "bwd 0", "bwd <normal", "headroom", "")
+    if labelled:
+        header = ("segment", *header)
     body = []
     for r in sorted(report.rows, key=_offender_order)[:limit]:
         body.append(
-            (
+            ((r.segment,) if labelled else ())
+            + (
                 r.where if len(r.where) <= 60 else r.where[:57] + "...",
                 r.primitive,
                 "x".join(map(str, r.shape)) or "()",
@@ -379,4 +524,23 @@ def format_report(report: RangeReport, limit: int = 20) -> str:
         lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     if len(report.rows) > limit:
         lines.append(f"... {len(report.rows) - limit} more rows in report.rows")
+    if report.segments is not None:
+        lines.append("")
+        lines.append("with the boundaries in force (report.segments):")
+        header = ("segment", "exponent", "scale", "bwd max", "bwd 0", "bwd <normal", "")
+        body = [
+            (
+                r.name,
+                str(r.exponent),
+                f"{r.scale:g}",
+                f"{r.backward_max:.3g}",
+                f"{r.backward_zero:.0%}",
+                f"{r.backward_below_normal:.0%}",
+                "OVERFLOW" if r.overflows else "",
+            )
+            for r in report.segments
+        ]
+        widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
+        for row in [header, *body]:
+            lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
     return "\n".join(lines)

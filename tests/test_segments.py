@@ -303,3 +303,31 @@ def test_a_restored_state_with_other_segments_gets_a_clear_error():
     other = ls.predictive(optax.sgd(0.1), segments=("b",))
     with pytest.raises(ValueError, match="does not have this transformation's layout"):
         other.update(params, state, params)
+
+
+def test_range_report_labels_rows_and_shows_each_segment_with_its_boundaries():
+    params, x = models.chain_params(), models.chain_batch()
+    tx = ls.predictive(optax.sgd(0.0), initial_scale=1.0, segments=models.CHAIN_SEGMENTS)
+    state, _, _ = train(tx, models.chain_loss, params, x, 3)
+    exponents = ls.find_state(state).segment_exponents
+    report = ls.range_report(models.chain_loss, params, x, scale=float(state.scale), segments=exponents)
+    assert {row.segment for row in report.rows} == {"loss", *models.CHAIN_SEGMENTS}
+    assert all(row.segment == "loss" for row in report.rows if row.primitive == "argument")
+    # At one scale the first layer flushes; with its boundaries in force nothing does.
+    first = [row for row in report.rows if row.segment == "layer0" and row.dtype == "float16"]
+    assert max(row.backward_below_normal for row in first) > 0.5
+    by_name = {row.name: row for row in report.segments}
+    assert set(by_name) == {"loss", *models.CHAIN_SEGMENTS}
+    for name, row in by_name.items():
+        assert row.backward_below_normal == 0.0 and not row.overflows, name
+        assert row.exponent == (0 if name == "loss" else int(exponents[name]))
+    assert by_name["layer0"].scale > by_name["layer4"].scale
+    assert "with the boundaries in force" in str(report)
+
+
+def test_range_report_refuses_segments_without_boundaries():
+    params, x = models.chain_params(), models.chain_batch()
+    with pytest.raises(ValueError, match="no boundary"):
+        ls.range_report(lambda p, x: models.chain_loss(p, x, marked=False), params, x, segments={"layer0": 1})
+    with pytest.raises(TypeError, match="map each boundary's name"):
+        ls.range_report(models.chain_loss, params, x, segments=["layer0"])

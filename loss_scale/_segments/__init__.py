@@ -60,21 +60,34 @@ class Segmented:
         names = segment_names(state)
         if names is None:
             return None
+        exponents = {name: state.counters.segment_exponents[name] for name in names}
+        return cls.with_exponents(fun, leaves, exponents, differentiated, compute_dtype)
+
+    @classmethod
+    def with_exponents(
+        cls,
+        fun: Callable[[list], Any],
+        leaves: Sequence[Any],
+        exponents: dict[str, Any],
+        differentiated: Sequence[bool] | None = None,
+        compute_dtype: Any = jnp.float16,
+    ) -> Segmented | None:
+        """As ``trace``, with the boundaries' exponents given by name."""
         closed, out_shapes = jax.make_jaxpr(fun, return_shape=True)(list(leaves))
         if not has_marker(closed.jaxpr):
             return None
         if differentiated is None:
             differentiated = [is_float_leaf(x) for x in leaves]
-        return cls(closed, out_shapes, leaves, differentiated, names, state, compute_dtype)
+        return cls(closed, out_shapes, leaves, differentiated, exponents, compute_dtype)
 
-    def __init__(self, closed, out_shapes, leaves, differentiated, names, state, compute_dtype):
+    def __init__(self, closed, out_shapes, leaves, differentiated, exponents, compute_dtype):
         self.closed = closed
         self.out_tree = jax.tree.structure(out_shapes)
         self.leaves = list(leaves)
-        self.names = names
+        self.names = tuple(sorted(exponents))
         self.compute_dtype = jnp.dtype(compute_dtype)
-        counters = state.counters
-        self.exponents = jax.lax.stop_gradient(jnp.stack([counters.segment_exponents[n] for n in names]))
+        self.exponents = jax.lax.stop_gradient(jnp.stack([jnp.asarray(exponents[n], jnp.int32) for n in self.names]))
+        names = self.names
         self.analyser = Analyser(names)
         self.plan = self.analyser.analyse(closed, differentiated, loss=0)
         self._sites = None

@@ -412,3 +412,15 @@ def _dependent(jaxpr: Any, dependent_in: Sequence[bool]) -> set[Any]:
 def _dependent_outputs(jaxpr: Any, dependent_in: Sequence[bool]) -> list[bool]:
     dependent = _dependent(jaxpr, dependent_in)
     return [_is_var(v) and v in dependent for v in jaxpr.outvars]
+
+
+def all_potentials(plan: Plan) -> dict[Any, Potential]:
+    """The potentials of the values of a plan's jaxpr and of the calls,
+    checkpoints and ``cond`` branches evaluated inside it (a ``scan`` body's
+    change from step to step, and are left out)."""
+    found = dict(plan.potentials)
+    for inner in plan.inner.values():
+        for sub in inner if isinstance(inner, list) else [inner]:
+            if isinstance(sub, Plan):
+                found.update(all_potentials(sub))
+    return found
