@@ -422,13 +422,17 @@ def _segment_rows(loss_of, arrays, differentiated, exponents, scale, dtype) -> l
 
     @jax.jit
     def measure(leaves):
+        positions = [i for i, flag in enumerate(differentiated) if flag]
+
         def objective(diff, probes):
-            call = [d if flag else x for d, x, flag in zip(diff, leaves, differentiated, strict=True)]
+            call = list(leaves)
+            for i, d in zip(positions, diff, strict=True):
+                call[i] = d
             return segmented.evaluate(call, probes)
 
         probes = new_probes(segmented.sites)
-        (at_leaves, at_probes), _ = jax.grad(objective, argnums=(0, 1), has_aux=True)(list(leaves), probes)
-        at_leaves = [g for g, flag in zip(at_leaves, differentiated, strict=True) if flag]
+        diff = [leaves[i] for i in positions]
+        (at_leaves, at_probes), _ = jax.grad(objective, argnums=(0, 1), has_aux=True)(diff, probes)
         return segmented.peaks(at_probes, at_leaves)
 
     peaks = jax.device_get(measure(leaves))

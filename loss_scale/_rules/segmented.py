@@ -133,7 +133,10 @@ class SegmentedRule(PredictiveRule):
     Each part ``k`` of the backward pass (a potential ``c_k``) measured at
     the cumulative scale ``S * 2**(c_k @ e)`` had an unscaled peak ``u_k``;
     its target is the largest exponent ``t_k`` with ``u_k * 2**t_k`` at
-    least ``min_headroom + extra_headroom`` binades below the threshold.
+    least ``min_headroom + extra_headroom * max(1, sum(c_k))`` binades below
+    the threshold: what overflows taught counts once per boundary crossed,
+    as a part many crossings deep moves with the batch-to-batch spread of
+    every factor above it.
     With ``a = ceil(log2(S))`` for the new global scale, the exponents are
     chosen boundary by boundary, nearest to the loss first (by the fewest
     crossings of any part that crosses it): boundary ``m`` gets the largest
@@ -201,7 +204,11 @@ class SegmentedRule(PredictiveRule):
         # scale it was measured at.
         unscaled = peaks.peak / (scale * jnp.ldexp(jnp.float32(1.0), self._powers(peaks, counters)))
         measured = finite & (peaks.peak > 0) & jnp.isfinite(unscaled) & (unscaled > 0)
-        margin = self.min_headroom + moved.counters.extra_headroom
+        # What overflows taught compounds with the crossings: a part k
+        # boundaries deep moves with k factors' worth of the batch-to-batch
+        # spread, so each overflow adds a binade per crossing.
+        crossings = np.maximum(keys.sum(axis=1), 1)
+        margin = self.min_headroom + moved.counters.extra_headroom * jnp.asarray(crossings, jnp.int32)
         target = jnp.where(measured, self._room(unscaled) - margin, 0)
         new = old
         if old is not None:

@@ -89,7 +89,9 @@ class Evaluator:
         row = jnp.asarray(vector)[step] if isinstance(vector, np.ndarray) else jnp.asarray(vector, jnp.int32)
         if row.shape[-1] == 0:
             return jnp.float32(1.0)
-        power = jnp.sum(row * self.exponents)
+        # Within float32's exponents (0 for a contribution too small for
+        # float32, as its own arithmetic would give; never inf).
+        power = jnp.clip(jnp.sum(row * self.exponents), -160, 127)
         return jnp.ldexp(jnp.float32(1.0), power.astype(jnp.int32))
 
     def key(self, potential: Potential) -> int:

@@ -1,0 +1,222 @@
+# %% [markdown]
+# # When one scale cannot fit: per-segment loss scaling
+#
+# Every loss scaler multiplies the whole backward pass by one number. When the cotangents of
+# different parts of a model lie more binades apart than float16 holds (about 40, from
+# $2^{-24}$ to 65504), no single scale fits: the scale that keeps the largest cotangent finite
+# leaves the smallest part's cotangents below $2^{-24}$, where they are flushed to zero, and
+# that part of the model stops learning. This notebook shows it on a deep sigmoid network (the
+# textbook vanishing gradient), then fixes it with `ls.segment` boundaries and
+# `ls.predictive(..., segments=...)`, which give each part of the backward pass a scale of its
+# own. About a minute on a CPU.
+
+# %%
+# Setup: run this cell first. loss_scale is not on the package index, and no name there is
+# installed (whoever registers "loss_scale" there is not this project): where it is missing,
+# it is installed from a local copy, the clone this notebook is in, a clone in
+# ./loss_scale_repository, or a wheel built in a clone (`pip wheel --no-deps .`) placed in the
+# working directory. On Colab, clone the repository first, in a cell of its own:
+# `!git clone <repository URL> loss_scale_repository`. The models and data of these notebooks
+# come from the scripts in the clone's examples/ folder, which goes on the import path.
+import importlib
+import pathlib
+import subprocess
+import sys
+
+try:
+    import loss_scale  # noqa: F401
+except ImportError:
+    clones = [
+        clone.resolve()
+        for clone in (pathlib.Path(".."), pathlib.Path("loss_scale_repository"))
+        if (clone / "pyproject.toml").is_file() and (clone / "loss_scale").is_dir()
+    ]
+    wheels = sorted(pathlib.Path.cwd().glob("loss_scale-*.whl"))
+    if not clones and not wheels:
+        raise ImportError(
+            "loss_scale is not installed, and it is not on the package index: install it from a clone of its "
+            'repository (`pip install -e ".[notebooks]"` in the clone), restart the kernel and run this notebook '
+            "from the clone's notebooks/ folder. On Colab, run `!git clone <repository URL> loss_scale_repository` "
+            "(or upload a wheel built in a clone with `pip wheel --no-deps .`), then this cell again."
+        ) from None
+    local = ["-e", f"{clones[0]}[examples]"] if clones else [f"{wheels[-1]}[examples]"]
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *local], check=True)
+    importlib.invalidate_caches()
+
+if pathlib.Path("../examples/_common.py").is_file():  # in the notebooks/ folder of a clone
+    sys.path.insert(0, str(pathlib.Path("../examples").resolve()))
+elif pathlib.Path("loss_scale_repository/examples/_common.py").is_file():  # a clone next to the notebook
+    sys.path.insert(0, str(pathlib.Path("loss_scale_repository/examples").resolve()))
+else:
+    raise FileNotFoundError(
+        "these notebooks import their models and data from the repository's examples/ folder, which is not "
+        "here: run them from the notebooks/ folder of a clone of the repository, or clone it next to this "
+        "notebook (`!git clone <repository URL> loss_scale_repository` on Colab)"
+    )
+
+# %%
+import jax
+import jax.numpy as jnp
+import matplotlib.pyplot as plt
+import numpy as np
+import optax
+
+import loss_scale as ls
+
+# %% [markdown]
+# ## The model
+#
+# Sixteen sigmoid layers of width 32, no normalisation, float32 parameters, float16 forward and
+# backward. The derivative of a sigmoid is at most 1/4, so each layer shrinks the cotangent by
+# about two binades on its way back: the first layers' cotangents lie far below the head's.
+# `ls.segment(h, name)` after every second layer marks a boundary; it does nothing unless the
+# optimizer has segments, so the same function serves every run below. The task: eight classes
+# drawn from a fixed random teacher network.
+
+# %%
+DEPTH, WIDTH, CLASSES, BATCH = 16, 32, 8, 128
+SEGMENTS = tuple(f"layer{k:02d}" for k in range(1, DEPTH, 2))
+rng = np.random.default_rng(0)
+params = {
+    "layers": [
+        {"w": jnp.asarray(rng.standard_normal((WIDTH, WIDTH)) / np.sqrt(WIDTH), jnp.float32), "b": jnp.zeros(WIDTH)}
+        for _ in range(DEPTH)
+    ],
+    "head": {
+        "w": jnp.asarray(rng.standard_normal((WIDTH, CLASSES)) / np.sqrt(WIDTH), jnp.float32),
+        "b": jnp.zeros(CLASSES),
+    },
+}
+teacher = rng.standard_normal((WIDTH, CLASSES)).astype(np.float32)
+
+
+def batch(seed):
+    x = np.random.default_rng(seed).standard_normal((BATCH, WIDTH)).astype(np.float32)
+    return jnp.asarray(x), jnp.asarray(np.argmax(np.tanh(x) @ teacher, axis=1).astype(np.int32))
+
+
+def loss_fn(params, batch, dtype=jnp.float16):
+    x, labels = batch
+    h = x.astype(dtype)
+    for k, layer in enumerate(params["layers"]):
+        h = jax.nn.sigmoid(h @ layer["w"].astype(dtype) + layer["b"].astype(dtype))
+        if f"layer{k:02d}" in SEGMENTS:
+            h = ls.segment(h, f"layer{k:02d}")  # a boundary: everything before it is segment layerNN
+    logits = (h @ params["head"]["w"].astype(dtype) + params["head"]["b"].astype(dtype)).astype(jnp.float32)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels[:, None], axis=1))
+
+
+# %% [markdown]
+# ## Before: one scale
+#
+# `ls.range_report` runs the backward pass once and reports every value. Given the
+# boundaries' exponents (`segments=`, all 0 here: one scale), it also labels each row with its
+# segment and sums up each segment. At the largest scale that does not overflow, the first
+# segments' cotangents are still entirely zero in float16:
+
+# %%
+one_scale = dict.fromkeys(SEGMENTS, 0)
+probe = ls.range_report(loss_fn, params, batch(0), scale=1.0, segments=one_scale)
+before = ls.range_report(loss_fn, params, batch(0), scale=probe.max_safe_scale, segments=one_scale)
+print(f"largest safe scale: 2**{int(np.log2(before.max_safe_scale))}")
+for row in before.segments:
+    print(f"{row.name:8s} largest cotangent {row.backward_max:9.3g}   flushed to zero {row.backward_zero:6.1%}")
+
+# %% [markdown]
+# ## Training: float32, one scale, a scale per segment
+#
+# The same initialization and batches, Adam, 300 steps:
+#
+# * `float32`: the reference;
+# * `ls.predictive`: one scale, aimed at the measured peak of the whole backward pass
+#   (`ls.value_grad_and_peak`), the best a global scale can do;
+# * `per-segment`: `ls.predictive(..., segments=SEGMENTS)`, measured the same way: the global
+#   scale as before, and each boundary's factor $2^e$ set from its own segment's peak.
+
+# %%
+STEPS = 300
+
+
+def train(run):
+    adam = optax.adam(3e-3)
+    if run == "float32":
+        tx, step_loss = adam, lambda p, b: loss_fn(p, b, jnp.float32)
+
+        @jax.jit
+        def step(p, state, b):
+            loss, grads = jax.value_and_grad(step_loss)(p, b)
+            updates, state = tx.update(grads, state, p)
+            return optax.apply_updates(p, updates), state, loss
+
+    else:
+        tx = ls.predictive(adam, initial_scale=1.0, segments=SEGMENTS if run == "per-segment" else None)
+
+        @jax.jit
+        def step(p, state, b):
+            loss, grads, peak = ls.value_grad_and_peak(loss_fn, every=16)(state, p, b)
+            updates, state = tx.update(grads, state, p, backward_peak=peak)
+            return optax.apply_updates(p, updates), state, loss
+
+    p, state, losses = params, tx.init(params), []
+    for i in range(STEPS):
+        p, state, loss = step(p, state, batch(1000 + i))
+        losses.append(float(loss))
+    return p, state, np.asarray(losses)
+
+
+runs = {name: train(name) for name in ("float32", "ls.predictive", "per-segment")}
+for name, (p, _, _) in runs.items():
+    evaluation = np.mean([float(loss_fn(p, batch(k), jnp.float32)) for k in range(4)])
+    print(f"{name:14s} final evaluation loss {evaluation:.4f}")
+
+# %% [markdown]
+# How far each layer's weights moved from their initial values tells which layers learned. With
+# one scale, the first layers never receive a non-zero gradient in float16: their weights do
+# not move at all. With a scale per segment they move as in float32.
+
+# %%
+fig, (left, right) = plt.subplots(1, 2, figsize=(11, 3.5))
+for name, (p, _, losses) in runs.items():
+    moved = [float(jnp.linalg.norm(a["w"] - b["w"])) for a, b in zip(p["layers"], params["layers"], strict=True)]
+    left.semilogy(range(DEPTH), np.maximum(moved, 1e-12), "o-", label=name)
+    right.plot(np.convolve(losses, np.ones(20) / 20, mode="valid"), label=name)
+left.set(xlabel="layer", ylabel="|W - W0| (1e-12: not moved)", title="which layers learned")
+right.set(xlabel="step", ylabel="training loss (20-step mean)", title="training loss")
+left.legend()
+right.legend()
+plt.tight_layout()
+plt.show()
+
+# %% [markdown]
+# ## After: the boundaries' factors
+#
+# The optimizer state holds each boundary's exponent (`ls.metrics` reports them as
+# `loss_scale/segment/<name>/exponent`, with each segment's last measured peak and flush
+# fractions). Factors compound: the first segment's cotangents carry every boundary's factor.
+# The same report, with those exponents in force, shows every segment's cotangents below
+# 65504 and none flushed:
+
+# %%
+state = runs["per-segment"][1]
+exponents = ls.find_state(state).segment_exponents
+after = ls.range_report(loss_fn, runs["per-segment"][0], batch(0), scale=float(ls.get_scale(state)), segments=exponents)
+print(f"global scale 2**{int(np.log2(float(ls.get_scale(state))))}")
+for row in after.segments:
+    print(
+        f"{row.name:8s} exponent {row.exponent:3d}   scale 2**{int(np.log2(row.scale)):3d}   "
+        f"largest cotangent {row.backward_max:9.3g}   flushed to zero {row.backward_zero:6.1%}"
+    )
+
+# %% [markdown]
+# ## Where to put the boundaries
+#
+# * Between parts of the model whose cotangents differ by many binades: between layers of a
+#   deep network, between the chunks of a long recurrence (a boundary inside a `lax.scan`
+#   body is crossed once per step, and compounds), between a large output head and a small
+#   embedding.
+# * On the main path, where every cotangent flowing back passes through it: a boundary inside
+#   one branch of a residual block would split the cotangents that meet at the block's input
+#   (a float16 value used on both sides of a boundary is an error that says so).
+# * Parameters may be used on both sides: a float32 parameter's uses are brought back to one
+#   scale exactly, and every gradient comes out at the global scale, so the optimizer and its
+#   state are the ones you had.
