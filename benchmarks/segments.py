@@ -341,7 +341,7 @@ def flushed_by_segment(workload: Workload, params: Any, run: str, state: Any) ->
     else:
         found = ls.find_state(state)
         scale = float(found.scale)
-        exponents = {n: int(found.segment_exponents[n]) for n in names} if run == "per-segment" else {}
+        exponents = found.segments.exponents() if run == "per-segment" else {}
         exponents = {n: exponents.get(n, 0) for n in names}
 
     def zeros(dtype):
@@ -390,9 +390,7 @@ def benchmark_workload(workload: Workload, steps: int, rounds: int) -> dict[str,
             "train_s": train_s,
             "nonfinite_losses": int(np.sum(~np.isfinite(losses))),
             "final_scale": float(ls.get_scale(state)) if run not in ("float32", "float16 unscaled") else None,
-            "exponents": (
-                {n: int(e) for n, e in ls.find_state(state).segment_exponents.items()} if run == "per-segment" else None
-            ),
+            "exponents": (ls.find_state(state).segments.exponents() if run == "per-segment" else None),
         }
         steppers[run] = (step, params, state)
     # Step time against ls.dynamic: interleaved rounds of a few steps each.

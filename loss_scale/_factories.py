@@ -254,7 +254,8 @@ def predictive(
       A ``LossScaleTransformation`` whose state is a ``LossScaleState`` with
       ``PredictiveCounters`` (``headroom``, ``grad_peak``, ...), or with
       ``segments``, ``SegmentCounters`` (the same fields, then
-      ``segment_exponents`` and the last measurement of each segment).
+      ``segments``, a ``SegmentTable`` of the exponents and the last
+      measurement of each segment).
 
     Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls

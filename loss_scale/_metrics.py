@@ -7,14 +7,6 @@ import jax
 from loss_scale._find import find_state
 from loss_scale._types import PyTree
 
-# SegmentCounters' fields, by the key they get for each segment.
-_SEGMENT_KEYS = {
-    "segment_exponents": "exponent",
-    "segment_peak": "peak",
-    "segment_zero_fraction": "zero_fraction",
-    "segment_below_normal_fraction": "below_normal_fraction",
-}
-
 
 def metrics(opt_state: PyTree, prefix: str = "loss_scale/") -> dict[str, jax.Array]:
     """A flat dict of scalars describing the scaler, for any logger.
@@ -52,11 +44,15 @@ def metrics(opt_state: PyTree, prefix: str = "loss_scale/") -> dict[str, jax.Arr
     # The order of 0.2.0's keys: the scale, the stable skip counts, good_steps, the rest.
     stable = {name: record.pop(name) for name in ("skipped", "skipped_steps", "consecutive_skips")}
     counters = state.counters._asdict()
-    # Per-segment values (dicts by segment name) become one key each.
+    # A per-segment table becomes one key per boundary and segment.
     segments = {}
-    for field, key in _SEGMENT_KEYS.items():
-        for name, value in sorted(counters.pop(field, {}).items()):
-            segments[f"segment/{name}/{key}"] = value
+    table = counters.pop("segments", None)
+    if table is not None:
+        for i, name in enumerate(table.names):
+            segments[f"segment/{name}/exponent"] = table.exponent[i]
+        for field in ("peak", "zero_fraction", "below_normal_fraction"):
+            for i, name in enumerate(table.segments):
+                segments[f"segment/{name}/{field}"] = getattr(table, field)[i]
     values = {"scale": state.scale} | stable | {"good_steps": state.good_steps} | record | counters | segments
     return {prefix + name: value for name, value in values.items() if value is not None}
 

@@ -212,7 +212,7 @@ def range_report(
         row.
       segments: the exponents of ``fun``'s boundaries (``loss_scale.segment``)
         by name, e.g. an optimizer state's
-        ``ls.find_state(opt_state).segment_exponents``: each row is then
+        ``ls.find_state(opt_state).segments.exponents()``: each row is then
         labelled with its segment (``RangeRow.segment``), and
         ``report.segments`` gives each segment's scale, largest cotangent
         and flush fractions with the boundaries in force.
@@ -383,7 +383,7 @@ def _segment_exponents(segments: Mapping[str, int]) -> dict[str, int]:
     if not isinstance(segments, Mapping):
         raise TypeError(
             f"segments must map each boundary's name to its exponent (e.g. ls.find_state(opt_state)."
-            f"segment_exponents), got {type(segments).__name__}"
+            f"segments.exponents()), got {type(segments).__name__}"
         )
     return {validate.segment_name("segments' name", name): int(e) for name, e in segments.items()}
 

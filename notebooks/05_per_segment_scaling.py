@@ -198,7 +198,7 @@ plt.show()
 
 # %%
 state = runs["per-segment"][1]
-exponents = ls.find_state(state).segment_exponents
+exponents = ls.find_state(state).segments.exponents()
 after = ls.range_report(loss_fn, runs["per-segment"][0], batch(0), scale=float(ls.get_scale(state)), segments=exponents)
 print(f"global scale 2**{int(np.log2(float(ls.get_scale(state))))}")
 for row in after.segments:

@@ -97,3 +97,11 @@ def relative_error(got: jax.Array, want: jax.Array) -> float:
     """The largest error relative to the oracle's largest magnitude."""
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     return float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+
+
+def with_exponents(state, scale=None, **exponents):
+    """``state`` (a ``LossScaleState`` with segments) with some boundaries'
+    exponents set, and the scale when given."""
+    counters = state.counters._replace(segments=state.counters.segments.replace(exponents=exponents))
+    state = state._replace(counters=counters)
+    return state if scale is None else state._replace(scale=jnp.float32(scale))

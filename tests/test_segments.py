@@ -131,7 +131,8 @@ def test_every_segment_sits_below_the_threshold_with_nothing_flushed():
     assert int(state.skipped_steps) == 0
     peak = np.asarray(peaks.peak)
     assert np.all(peak > 0) and np.all(peak <= 65504 / 2)  # min_headroom: one binade below float16's maximum
-    for name, fraction in state.counters.segment_below_normal_fraction.items():
+    table = state.counters.segments
+    for name, fraction in zip(table.segments, table.below_normal_fraction, strict=True):
         assert float(fraction) == 0.0, name
     # The same run with one scale flushes most of the first layers' cotangents.
     one = ls.predictive(optax.sgd(0.0), initial_scale=1.0, segments=models.CHAIN_SEGMENTS)
@@ -244,7 +245,7 @@ def test_a_float32_parameter_used_in_two_segments_gets_its_gradient_at_one_scale
     params = {"w": jnp.full((2, 2), 0.5)}
     tx = ls.predictive(optax.sgd(0.1), initial_scale=1.0, segments=("a",))
     state = tx.init(params)
-    state = state._replace(counters=state.counters._replace(segment_exponents={"a": jnp.int32(5)}))
+    state = models.with_exponents(state, a=5)
     _, grads = ls.value_and_grad(loss_fn)(state, params)
     oracle = jax.grad(lambda p: loss_fn(p, jnp.float32, marked=False))(params)
     assert models.relative_error(ls.unscale(grads, state)["w"], oracle["w"]) < FLOAT16_ROUNDING
@@ -309,7 +310,7 @@ def test_range_report_labels_rows_and_shows_each_segment_with_its_boundaries():
     params, x = models.chain_params(), models.chain_batch()
     tx = ls.predictive(optax.sgd(0.0), initial_scale=1.0, segments=models.CHAIN_SEGMENTS)
     state, _, _ = train(tx, models.chain_loss, params, x, 3)
-    exponents = ls.find_state(state).segment_exponents
+    exponents = ls.find_state(state).segments.exponents()
     report = ls.range_report(models.chain_loss, params, x, scale=float(state.scale), segments=exponents)
     assert {row.segment for row in report.rows} == {"loss", *models.CHAIN_SEGMENTS}
     assert all(row.segment == "loss" for row in report.rows if row.primitive == "argument")

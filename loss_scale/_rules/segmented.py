@@ -89,24 +89,99 @@ class SegmentPeaks:
         return self.peak[0]
 
 
+@jax.tree_util.register_pytree_with_keys_class
+class SegmentTable:
+    """The per-segment part of the state: one entry per boundary, and per
+    segment (the boundaries' and ``"loss"``, the loss's own), in a few
+    arrays rather than a scalar per name (each state leaf is a buffer a
+    step reads and writes). ``names`` is static (pytree metadata): a state
+    restored into an optimizer with other segments fails the layout check.
+
+    Attributes:
+      names: the boundaries' names, sorted.
+      exponent: int32[n]: boundary ``names[i]`` multiplies the cotangents
+        below it by ``2**exponent[i]``.
+      peak: float32[n + 1]: each segment's largest *unscaled* cotangent
+        magnitude at the last measurement (index 0 the loss's segment, then
+        ``names``' order; the segment of a value is the deepest boundary its
+        paths to the loss cross).
+      zero_fraction: float32[n + 1]: the fraction of the segment's cotangent
+        elements that were exactly 0 at the last measurement.
+      below_normal_fraction: float32[n + 1]: the fraction below the compute
+        dtype's smallest normal (flushed or subnormal).
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, loss_scale as ls
+      >>> state = ls.predictive(optax.sgd(0.1), segments=("embed", "body")).init(jnp.zeros(2))
+      >>> table = state.counters.segments
+      >>> table.names, table.exponents()
+      (('body', 'embed'), {'body': 0, 'embed': 0})
+    """
+
+    def __init__(
+        self,
+        names: tuple[str, ...],
+        exponent: jax.Array,
+        peak: jax.Array,
+        zero_fraction: jax.Array,
+        below_normal_fraction: jax.Array,
+    ):
+        self.names = tuple(names)
+        self.exponent, self.peak = exponent, peak
+        self.zero_fraction, self.below_normal_fraction = zero_fraction, below_normal_fraction
+
+    _FIELDS = ("exponent", "peak", "zero_fraction", "below_normal_fraction")
+
+    def tree_flatten_with_keys(self):
+        return [(jax.tree_util.GetAttrKey(f), getattr(self, f)) for f in self._FIELDS], self.names
+
+    def tree_flatten(self):
+        return [getattr(self, f) for f in self._FIELDS], self.names
+
+    @classmethod
+    def tree_unflatten(cls, names, children):
+        return cls(names, *children)
+
+    def __repr__(self) -> str:
+        return f"SegmentTable(names={self.names}, exponent={self.exponent!r})"
+
+    @property
+    def segments(self) -> tuple[str, ...]:
+        """Every segment's name, in the order of the per-segment arrays:
+        ``"loss"``, then ``names``."""
+        return (LOSS_SEGMENT, *self.names)
+
+    def exponents(self) -> dict[str, int]:
+        """``{name: exponent}`` as Python ints (outside ``jit``), e.g. for
+        ``loss_scale.range_report(..., segments=...)``."""
+        return {name: int(e) for name, e in zip(self.names, jax.device_get(self.exponent), strict=True)}
+
+    def replace(self, **changes: Any) -> SegmentTable:
+        """A copy with some arrays replaced; ``exponents={name: e}`` sets
+        exponents by name."""
+        by_name = changes.pop("exponents", None)
+        fields = {f: changes.pop(f, getattr(self, f)) for f in self._FIELDS}
+        if changes:
+            raise TypeError(f"SegmentTable has no field {sorted(changes)[0]!r}")
+        if by_name is not None:
+            unknown = set(by_name) - set(self.names)
+            if unknown:
+                raise ValueError(f"no boundary named {sorted(unknown)}; the boundaries are {list(self.names)}")
+            fields["exponent"] = jnp.stack(
+                [jnp.asarray(by_name.get(n, e), jnp.int32) for n, e in zip(self.names, fields["exponent"], strict=True)]
+            )
+        return SegmentTable(self.names, **fields)
+
+
 class SegmentCounters(NamedTuple):
     """The per-segment rule's counters: ``PredictiveCounters``' fields (the
-    global scale's), then the segments'.
+    global scale's), then the segments' table.
 
     Attributes:
       headroom, grad_peak, searching, overflow_run, extra_headroom, measured:
         as in ``PredictiveCounters``.
-      segment_exponents: dict name -> int32: boundary ``name`` multiplies the
-        cotangents below it by ``2**exponent``.
-      segment_peak: dict name -> float32: the largest *unscaled* cotangent
-        magnitude of the segment at the last measurement (the segment of a
-        value is the deepest boundary its paths to the loss cross;
-        ``"loss"`` for the loss's own segment).
-      segment_zero_fraction: dict name -> float32: the fraction of the
-        segment's cotangent elements that were exactly 0 at the last
-        measurement.
-      segment_below_normal_fraction: dict name -> float32: the fraction below
-        the compute dtype's smallest normal (flushed or subnormal).
+      segments: a ``SegmentTable``: each boundary's exponent and each
+        segment's last measurement.
     """
 
     headroom: jax.Array
@@ -115,10 +190,12 @@ class SegmentCounters(NamedTuple):
     overflow_run: jax.Array
     extra_headroom: jax.Array
     measured: jax.Array
-    segment_exponents: dict[str, jax.Array]
-    segment_peak: dict[str, jax.Array]
-    segment_zero_fraction: dict[str, jax.Array]
-    segment_below_normal_fraction: dict[str, jax.Array]
+    segments: SegmentTable
+
+    @property
+    def segment_exponents(self) -> dict[str, jax.Array]:
+        """``{boundary name: int32 exponent}`` (arrays; works under ``jit``)."""
+        return {name: self.segments.exponent[i] for i, name in enumerate(self.segments.names)}
 
 
 _PREDICTIVE_FIELDS = len(PredictiveCounters._fields)
@@ -152,18 +229,13 @@ class SegmentedRule(PredictiveRule):
 
     def init(self) -> RuleState:
         start = super().init()
-        names = (LOSS_SEGMENT, *self.segments)
-        return RuleState(
-            start.scale,
-            start.good_steps,
-            SegmentCounters(
-                *start.counters,
-                segment_exponents={name: jnp.zeros((), jnp.int32) for name in self.segments},
-                segment_peak={name: jnp.zeros((), jnp.float32) for name in names},
-                segment_zero_fraction={name: jnp.zeros((), jnp.float32) for name in names},
-                segment_below_normal_fraction={name: jnp.zeros((), jnp.float32) for name in names},
-            ),
+        n = len(self.segments)
+        table = SegmentTable(
+            self.segments,
+            jnp.zeros((n,), jnp.int32),
+            *(jnp.zeros((n + 1,), jnp.float32) for _ in range(3)),
         )
+        return RuleState(start.scale, start.good_steps, SegmentCounters(*start.counters, table))
 
     def adjust(self, state: RuleState, finite: jax.Array, grad_max: jax.Array, backward_peak: Any = None) -> RuleState:
         scale, good_steps, counters = state
@@ -181,29 +253,45 @@ class SegmentedRule(PredictiveRule):
             global_peak = jnp.max(peaks.peak * jnp.ldexp(jnp.float32(1.0), -self._powers(peaks, counters)))
         predictive = PredictiveCounters(*counters[:_PREDICTIVE_FIELDS])
         moved = super().adjust(RuleState(scale, good_steps, predictive), finite, grad_max, global_peak)
-        exponents = counters.segment_exponents
-        stats = (counters.segment_peak, counters.segment_zero_fraction, counters.segment_below_normal_fraction)
+        table = counters.segments
         if peaks is not None and len(peaks.keys) > 0:
-            exponents, stats = self._segments(peaks, counters, moved, scale, finite)
-        return RuleState(moved.scale, moved.good_steps, SegmentCounters(*moved.counters, exponents, *stats))
+            # Only a step that measured something moves them (one branch,
+            # so the other steps do not pay for the solve).
+            measured = self._measured_parts(peaks, counters, scale, finite)
+            table = jax.lax.cond(
+                jnp.any(measured),
+                lambda: self._segments(peaks, counters, moved, scale, measured),
+                lambda: table,
+            )
+        return RuleState(moved.scale, moved.good_steps, SegmentCounters(*moved.counters, table))
+
+    def _unscaled(self, peaks: SegmentPeaks, counters: SegmentCounters, scale: jax.Array) -> jax.Array:
+        """Each part's unscaled peak: its measured one over the cumulative
+        scale it was measured at."""
+        return peaks.peak / (scale * jnp.ldexp(jnp.float32(1.0), self._powers(peaks, counters)))
+
+    def _measured_parts(
+        self, peaks: SegmentPeaks, counters: SegmentCounters, scale: jax.Array, finite: jax.Array
+    ) -> jax.Array:
+        """Which parts the step measured: a finite, non-zero peak on a clean step."""
+        unscaled = self._unscaled(peaks, counters, scale)
+        return finite & (peaks.peak > 0) & jnp.isfinite(unscaled) & (unscaled > 0)
 
     def _powers(self, peaks: SegmentPeaks, counters: SegmentCounters) -> jax.Array:
         """Each part's exponent over the global scale, ``keys @ e``, int32[K]."""
         keys = np.asarray(peaks.keys, np.int32).reshape(len(peaks.keys), len(self.segments))
         if not self.segments:
             return jnp.zeros((len(keys),), jnp.int32)
-        return jnp.asarray(keys) @ jnp.stack([counters.segment_exponents[n] for n in self.segments])
+        return jnp.asarray(keys) @ counters.segments.exponent
 
     def _segments(
-        self, peaks: SegmentPeaks, counters: SegmentCounters, moved: RuleState, scale: jax.Array, finite: jax.Array
-    ) -> tuple[dict, tuple]:
-        """The exponents and statistics after a step with measured peaks."""
+        self, peaks: SegmentPeaks, counters: SegmentCounters, moved: RuleState, scale: jax.Array, measured: jax.Array
+    ) -> SegmentTable:
+        """The exponents and statistics after a step that measured the parts
+        ``measured``."""
         keys = np.asarray(peaks.keys, np.int32).reshape(len(peaks.keys), len(self.segments))
-        old = jnp.stack([counters.segment_exponents[n] for n in self.segments]) if self.segments else None
-        # Each part's unscaled peak: its measured one over the cumulative
-        # scale it was measured at.
-        unscaled = peaks.peak / (scale * jnp.ldexp(jnp.float32(1.0), self._powers(peaks, counters)))
-        measured = finite & (peaks.peak > 0) & jnp.isfinite(unscaled) & (unscaled > 0)
+        old = counters.segments.exponent if self.segments else None
+        unscaled = self._unscaled(peaks, counters, scale)
         # What overflows taught compounds with the crossings: a part k
         # boundaries deep moves with k factors' worth of the batch-to-batch
         # spread, so each overflow adds a binade per crossing.
@@ -224,33 +312,25 @@ class SegmentedRule(PredictiveRule):
                 best = jnp.where(measured[mine], best, jnp.iinfo(jnp.int32).max)
                 chosen = jnp.clip(jnp.min(best), -MAX_EXPONENT, MAX_EXPONENT)
                 new = new.at[m].set(jnp.where(jnp.any(measured[mine]), chosen, new[m]).astype(jnp.int32))
-        step_measured = jnp.any(measured)
-        exponents = {
-            name: jnp.where(step_measured, new[i], old[i]).astype(jnp.int32) for i, name in enumerate(self.segments)
-        }
         # Statistics per named segment: each part belongs to the deepest
-        # boundary it crosses ("loss" for none).
-        names = (LOSS_SEGMENT, *self.segments)
+        # boundary it crosses (the loss's segment, index 0, for none).
         owner = _owners(keys)
-        stats = []
-        for old_values, values, combine in (
-            (counters.segment_peak, jnp.where(measured, unscaled, 0.0), "max"),
-            (counters.segment_zero_fraction, peaks.zeros, "fraction"),
-            (counters.segment_below_normal_fraction, peaks.below_normal, "fraction"),
-        ):
-            out = {}
-            for s, name in enumerate(names):
-                parts = np.flatnonzero(owner == s)
-                if not parts.size:
-                    out[name] = old_values[name]
-                    continue
-                if combine == "max":
-                    value = jnp.max(values[parts])
-                else:
-                    value = jnp.sum(values[parts]) / jnp.maximum(jnp.sum(peaks.count[parts]), 1.0)
-                out[name] = jnp.where(step_measured, value, old_values[name]).astype(jnp.float32)
-            stats.append(out)
-        return exponents, tuple(stats)
+        table = counters.segments
+        values = {"peak": [], "zero_fraction": [], "below_normal_fraction": []}
+        for s in range(len(self.segments) + 1):
+            parts = np.flatnonzero(owner == s)
+            if not parts.size:
+                for field, column in values.items():
+                    column.append(getattr(table, field)[s])
+                continue
+            count = jnp.maximum(jnp.sum(peaks.count[parts]), 1.0)
+            values["peak"].append(jnp.max(jnp.where(measured, unscaled, 0.0)[parts]))
+            values["zero_fraction"].append(jnp.sum(peaks.zeros[parts]) / count)
+            values["below_normal_fraction"].append(jnp.sum(peaks.below_normal[parts]) / count)
+        exponent = new.astype(jnp.int32) if new is not None else table.exponent
+        return SegmentTable(
+            self.segments, exponent, *(jnp.stack(column).astype(jnp.float32) for column in values.values())
+        )
 
 
 def _order(keys: np.ndarray) -> list[int]:

@@ -37,7 +37,7 @@ def segment_names(state: LossScaleState) -> tuple[str, ...] | None:
     """The boundaries of a state with segments (sorted), ``None`` without."""
     counters = state.counters
     if isinstance(counters, SegmentCounters):
-        return tuple(sorted(counters.segment_exponents))
+        return counters.segments.names
     return None
 
 
@@ -60,7 +60,7 @@ class Segmented:
         names = segment_names(state)
         if names is None:
             return None
-        exponents = {name: state.counters.segment_exponents[name] for name in names}
+        exponents = state.counters.segment_exponents
         return cls.with_exponents(fun, leaves, exponents, differentiated, compute_dtype)
 
     @classmethod

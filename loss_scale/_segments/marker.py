@@ -20,7 +20,6 @@ import jax
 import jax.numpy as jnp
 
 from loss_scale import _validate as validate
-from loss_scale._check import largest_magnitude
 from loss_scale._types import PyTree
 
 SCOPE = "loss_scale.segment"
@@ -154,16 +153,24 @@ def _probed_fwd(x, probe):
 
 
 def _probed_bwd(_, ct):
+    # One reduction for all four (a kernel per probe, not four): the peak and
+    # the finite flag as peak_and_finite computes them, and the two counts.
+    ct = jax.lax.stop_gradient(ct)
     magnitude = jnp.abs(ct)
     tiny = jnp.finfo(ct.dtype).tiny
-    stats = jnp.stack(
-        [
-            largest_magnitude(ct),
-            jnp.sum(magnitude == 0, dtype=jnp.float32),
-            jnp.sum(magnitude < tiny, dtype=jnp.float32),
-        ]
+    operands = (
+        magnitude.astype(jnp.float32),
+        jnp.isfinite(ct),
+        (magnitude == 0).astype(jnp.float32),
+        (magnitude < tiny).astype(jnp.float32),
     )
-    return ct, stats
+    init = (jnp.float32(0), jnp.array(True), jnp.float32(0), jnp.float32(0))
+    peak, finite, zeros, below = jax.lax.reduce(operands, init, _stats_of, tuple(range(ct.ndim)))
+    return ct, jnp.stack([jnp.where(finite, peak, jnp.inf), zeros, below])
+
+
+def _stats_of(a, b):
+    return jnp.maximum(a[0], b[0]), jnp.logical_and(a[1], b[1]), a[2] + b[2], a[3] + b[3]
 
 
 probed.defvjp(_probed_fwd, _probed_bwd)
