@@ -1,5 +1,5 @@
 # %% [markdown]
-# # Training flax and Equinox models in float16 with `loss_scale`
+# # Training flax and Equinox models in float16 with loss_scale
 #
 # Three complete training loops with plots of the loss, the loss scale and the skipped
 # steps; the flax ones run in float32 and in float16 with dynamic loss scaling (the NNX one
@@ -91,7 +91,7 @@ for text in ("params=float32,compute=float32,output=float32", "p=f32,c=bf16,o=f3
     print(f"{str(policy):46} -> loss scale {float(ls.get_scale(tx.init(jnp.zeros(1)))):g}")
 
 # %% [markdown]
-# ## 1. flax linen: a CNN on the digits, with `TrainState`
+# ## 1. flax linen: a CNN on the digits, with TrainState
 #
 # The layers compute in `policy.compute_dtype` and keep `param_dtype=float32`. The train step
 # is the usual linen one, with two changes: gradients come from
@@ -160,7 +160,7 @@ plt.show()
 # images stay inside float16's range); the next-token model below, with its softmax over
 # 2,048 classes, is where the gradients get small.
 #
-# ## 2. flax NNX: a next-token model, with `nnx.Optimizer`
+# ## 2. flax NNX: a next-token model, with nnx.Optimizer
 #
 # `nnx.Optimizer(model, tx, wrt=nnx.Param)` takes the loss-scaled optimizer as it is.
 # `loss_scale.flax.nnx_value_and_grad(loss_fn)(optimizer, model, batch)` returns the loss and
@@ -232,7 +232,7 @@ plt.show()
 # over 150 steps, the underflow of float16 without scaling (see `01_why_loss_scaling.ipynb`
 # for how much of the gradient it loses) does not yet show in the loss.
 #
-# ## 3. Equinox: an MLP, with `loss_scale.equinox`
+# ## 3. Equinox: an MLP, with loss_scale.equinox
 #
 # An Equinox model is a pytree whose fields are not all arrays, so gradients are taken
 # with `eqx.filter_value_and_grad`; `loss_scale.equinox` has the loss-scaled pair. The
