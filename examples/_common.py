@@ -221,7 +221,9 @@ def plot_runs(
     training loss (moving average over ``smooth`` steps); ``"gap"``, its
     distance from the ``float32`` run's; ``"zeros"``, the fraction of gradient
     elements that were exactly 0 (runs with ``zero_fractions``); ``"scale"``,
-    the loss scale of every scaled run, skipped steps marked.
+    the loss scale of every scaled run, skipped steps marked: the scale each
+    step was taken at, and at the end the scale after the last step (the
+    run's ``final_scale``, which the table shows).
 
     Returns the matplotlib figure; with ``path`` it is saved there as a PNG
     and closed (no display is needed), else it is a pyplot figure, which a
@@ -258,7 +260,10 @@ def plot_runs(
             axes["zeros"].plot(100 * np.asarray(run["zero_fractions"]), color=color, label=label)
         if "scale" in axes and max(run["scales"]) > 1:
             skips = np.flatnonzero(run["skipped"])
-            axes["scale"].semilogy(run["scales"], base=2, color=color, label=f"{label}: loss scale")
+            # The scale each step was taken at, then the scale after the last
+            # step: the curve ends at the run's final_scale, as the table does.
+            scales = [*run["scales"], run["final_scale"]] if "final_scale" in run else run["scales"]
+            axes["scale"].semilogy(scales, base=2, color=color, label=f"{label}: loss scale")
             marks = np.asarray(run["scales"])[skips]
             axes["scale"].semilogy(skips, marks, "rx", base=2, label=f"{label}: skipped step ({len(skips)})")
     averaged = " (moving average)" if smooth > 1 else ""

@@ -23,7 +23,7 @@ state as they were when a step is skipped.
 
 Usage::
 
-    python examples/cnn_digits.py                    # about half a minute on 2 CPU cores
+    python examples/cnn_digits.py                    # about 20 s on 2 idle CPU cores
     python examples/cnn_digits.py --steps 3000 --plot digits.png
     python examples/cnn_digits.py --precisions float16,float16+dynamic --steps 1000
 

@@ -36,7 +36,7 @@ exactly 0 (last batch, end of training); the final scale; the skipped steps.
 
 Usage::
 
-    python examples/quickstart.py                # 30-50 s on 2 CPU cores
+    python examples/quickstart.py                # 20 to 70 s on 2 CPU cores (20 s idle)
     python examples/quickstart.py --steps 100    # float32 and ls.dynamic get close to the best loss
     python examples/quickstart.py --vocab 4096   # half the logit gradients flush, with no effect on the loss here
     python examples/quickstart.py --steps 100 --plot quickstart.png

@@ -17,7 +17,26 @@ from loss_scale._types import PyTree
 
 
 class Float16StateWarning(UserWarning):
-    """The wrapped optimizer keeps part of its state in float16."""
+    """The wrapped optimizer keeps part of its state in float16.
+
+    Warned by a loss-scaling transformation's ``init``, naming the float16
+    leaves: in float16, Adam's ``eps=1e-8`` is 0 and second moments below
+    6e-8 underflow to 0, which gives nan or huge updates. Keep float32
+    params (cast to float16 inside the loss function), and the optimizer
+    state is float32. bfloat16 state has float32's range and is not
+    flagged.
+
+    Examples:
+      >>> import warnings
+      >>> import jax.numpy as jnp, optax, loss_scale as ls
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     _ = ls.dynamic(optax.adam(1e-3)).init({"w": jnp.zeros(2, jnp.float16)})
+      >>> [w.category.__name__ for w in caught]
+      ['Float16StateWarning']
+      >>> str(caught[0].message)[:58]
+      "the optimizer state has float16 leaves ([0].mu['w'], [0].n"
+    """
 
 
 def warn_about_float16_state(inner_state: optax.OptState) -> None:

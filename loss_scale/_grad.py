@@ -33,7 +33,28 @@ def scale_loss(loss: jax.Array, opt_state: PyTree) -> jax.Array:
 
     Scaling in float32 keeps a large scale from overflowing a float16 loss
     in the forward pass; the cotangent that flows back into float16
-    computations is still ``scale`` times larger.
+    computations is still ``scale`` times larger. For custom gradient code:
+    ``value_and_grad`` differentiates it for you.
+
+    Args:
+      loss: the loss, a scalar.
+      opt_state: an optimizer state holding a loss-scale state (anywhere).
+
+    Returns:
+      ``loss * scale`` in the loss's dtype widened to at least float32; the
+      scale is a constant to differentiation.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
+      >>> tx = ls.static(optax.sgd(0.1), scale=8.0)
+      >>> params = {"w": jnp.array([1.0, 2.0])}
+      >>> opt_state = tx.init(params)
+      >>> loss_fn = lambda params: jnp.sum(params["w"] ** 2)
+      >>> grads = jax.grad(lambda params: ls.scale_loss(loss_fn(params), opt_state))(params)
+      >>> grads["w"]                                   # the gradients of loss * 8
+      Array([16., 32.], dtype=float32)
+      >>> ls.unscale(grads, opt_state)["w"]
+      Array([2., 4.], dtype=float32)
     """
     scale = jax.lax.stop_gradient(get_scale(opt_state))
     loss = jnp.asarray(loss)

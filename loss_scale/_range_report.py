@@ -50,7 +50,8 @@ class RangeRow(NamedTuple):
       primitive: the JAX primitive that produced the value (``argument`` for
         a differentiated input; for a ``custom_jvp``/``custom_vjp`` call or
         control flow, that whole call).
-      shape, dtype: the value's.
+      shape: the value's shape.
+      dtype: the value's dtype.
       forward_max: ``max |x|`` (inf when not finite).
       backward_max: ``max |cotangent|`` at the report's scale, in the value's
         dtype (inf when not finite).
@@ -61,6 +62,17 @@ class RangeRow(NamedTuple):
       headroom: how many times larger the cotangent could be before it
         overflows, measured at ``max_safe_scale`` (``inf`` for a zero
         cotangent; ``nan`` when no scale is safe).
+
+    Examples:
+      >>> import jax.numpy as jnp, loss_scale as ls
+      >>> report = ls.range_report(lambda w, x: jnp.sum(jnp.tanh(x @ w)), jnp.ones((4, 2)), jnp.ones((3, 4)))
+      >>> [row.primitive for row in report.rows]
+      ['argument', 'dot_general', 'tanh', 'reduce_sum']
+      >>> row = report.rows[2]
+      >>> row.where.startswith("<doctest"), row.shape, row.dtype
+      (True, (3, 2), 'float32')
+      >>> float(row.forward_max) < 1.0, float(row.backward_max), row.overflows
+      (True, 32768.0, False)
     """
 
     index: int
@@ -122,6 +134,18 @@ class RangeReport(NamedTuple):
         backward pass with its boundaries in force (the rows are at the
         one scale ``scale``, so the two side by side show what the
         boundaries change); ``None`` otherwise.
+
+    Examples:
+      >>> import jax, jax.numpy as jnp, loss_scale as ls
+      >>> loss_fn = lambda w, x: jnp.log(jax.nn.softmax(x @ w))[:, 0].mean()
+      >>> w, x = jnp.linspace(-3.0, 3.0, 64).reshape(4, 16), jnp.ones((8, 4))
+      >>> report = ls.range_report(loss_fn, w, x, scale=2.0**15, compute_dtype="float16")
+      >>> report.scale, report.max_safe_scale, len(report.overflowing) > 0
+      (32768.0, 512.0, True)
+      >>> report.overflowing[0].primitive, report.overflowing[0].dtype
+      ('div', 'float16')
+      >>> print(str(report).splitlines()[0])
+      range report at scale 32768: ... values, ... overflow; max safe scale 2**9
     """
 
     rows: list[RangeRow]

@@ -80,6 +80,15 @@ class StepRecord(NamedTuple):
 
     Every statistic is measured on every step, ``no_op``'s unchecked ones
     included, and none is differentiable (their gradient is stopped).
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, loss_scale as ls
+      >>> tx = ls.dynamic(optax.sgd(0.1), initial_scale=8.0, track_grad_norm=True)
+      >>> state = tx.init(jnp.zeros(2))
+      >>> _, state = tx.update(jnp.array([24.0, 32.0]), state)
+      >>> record = state.record
+      >>> bool(record.skipped), float(record.grad_max), float(record.grad_norm), record.zero_fraction
+      (False, 4.0, 5.0, None)
     """
 
     skipped: jax.Array

@@ -3,19 +3,21 @@ and the update applied to the model's inexact arrays.
 
 An optional module: it imports equinox, which the core package never does.
 The optimizer state is a plain optax state, so ``loss_scale.get_scale``,
-``loss_scale.find_state`` and ``loss_scale.metrics`` read it as they are::
+``loss_scale.find_state`` and ``loss_scale.metrics`` read it as they are:
 
-    import equinox as eqx
-    from loss_scale import equinox as lsq
+```python
+import equinox as eqx
+from loss_scale import equinox as lsq
 
-    tx = ls.dynamic(optax.adamw(1e-3))
-    opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+tx = ls.dynamic(optax.adamw(1e-3))
+opt_state = tx.init(eqx.filter(model, eqx.is_inexact_array))
 
-    @eqx.filter_jit
-    def train_step(model, opt_state, x, y):
-        loss, grads = lsq.filter_value_and_grad(loss_fn)(opt_state, model, x, y)  # grads of loss * scale
-        model, opt_state = lsq.apply_gradients(tx, grads, opt_state, model)      # unscale, check, skip or apply
-        return model, opt_state, loss
+@eqx.filter_jit
+def train_step(model, opt_state, x, y):
+    loss, grads = lsq.filter_value_and_grad(loss_fn)(opt_state, model, x, y)  # grads of loss * scale
+    model, opt_state = lsq.apply_gradients(tx, grads, opt_state, model)      # unscale, check, skip or apply
+    return model, opt_state, loss
+```
 
 For mixed precision keep the model's arrays float32 and cast them inside the
 loss function (``ls.Policy.cast_to_compute(model)`` casts only floating

@@ -5,15 +5,17 @@ An optional module: it imports flax, which the core package never does.
 
 **NNX.** ``nnx.Optimizer`` takes a loss-scaled optimizer as it is; this
 module's ``Optimizer`` is the same with the fused step (the update added to
-the params before the skip keeps or drops it, see ``loss_scale.apply_gradients``)::
+the params before the skip keeps or drops it, see ``loss_scale.apply_gradients``):
 
-    optimizer = Optimizer(model, ls.dynamic(optax.adamw(1e-3)), wrt=nnx.Param)
+```python
+optimizer = Optimizer(model, ls.dynamic(optax.adamw(1e-3)), wrt=nnx.Param)
 
-    @nnx.jit
-    def train_step(model, optimizer, x, y):
-        loss, grads = nnx_value_and_grad(loss_fn)(optimizer, model, x, y)  # grads of loss * scale
-        optimizer.update(model, grads)       # unscale, check, skip or apply, adjust the scale
-        return loss
+@nnx.jit
+def train_step(model, optimizer, x, y):
+    loss, grads = nnx_value_and_grad(loss_fn)(optimizer, model, x, y)  # grads of loss * scale
+    optimizer.update(model, grads)       # unscale, check, skip or apply, adjust the scale
+    return loss
+```
 
 ``nnx.Optimizer`` keeps its state as ``nnx.Variable`` objects, so the core
 ``loss_scale.get_scale(optimizer.opt_state)`` returns a ``Variable``;
@@ -27,7 +29,7 @@ as it is, with ``loss_scale.value_and_grad(loss_fn)(state.opt_state,
 state.params, batch)`` and ``state.apply_gradients(grads=grads)``; as with
 NNX, ``state.step`` counts skipped steps too. This module's ``TrainState`` is
 flax's with the fused step in ``apply_gradients`` (one write and one read of
-a parameter-sized buffer less, see the README's Performance); the function
+a parameter-sized buffer less, see the Performance guide); the function
 ``apply_gradients(state, grads)`` does the same for any ``TrainState``. The
 functions here accept a ``TrainState`` as well.
 

@@ -1,5 +1,5 @@
 # %% [markdown]
-# # Training flax and Equinox models in float16 with `loss_scale`
+# # Training flax and Equinox models in float16 with loss_scale
 #
 # Three complete training loops with plots of the loss, the loss scale and the skipped
 # steps; the flax ones run in float32 and in float16 with dynamic loss scaling (the NNX one
@@ -91,7 +91,7 @@ for text in ("params=float32,compute=float32,output=float32", "p=f32,c=bf16,o=f3
     print(f"{str(policy):46} -> loss scale {float(ls.get_scale(tx.init(jnp.zeros(1)))):g}")
 
 # %% [markdown]
-# ## 1. flax linen: a CNN on the digits, with `TrainState`
+# ## 1. flax linen: a CNN on the digits, with TrainState
 #
 # The layers compute in `policy.compute_dtype` and keep `param_dtype=float32`. The train step
 # is the usual linen one, with two changes: gradients come from
@@ -128,6 +128,7 @@ def train_linen(policy_text, steps=200, batch_size=64, **dynamic_kwargs):
         state, loss = train_step(state, x_train[batch], y_train[batch])
         history["losses"].append(float(loss))
         history["skipped"].append(bool(ls.find_state(state).skipped))
+    history["final_scale"] = float(ls.get_scale(state))  # after the last step: where the plot's scale curve ends
     logits = jax.jit(state.apply_fn)({"params": state.params}, policy.cast_to_compute(x_test))
     history["test accuracy"] = float(jnp.mean(jnp.argmax(logits, -1) == y_test))
     history["state"] = state
@@ -142,7 +143,7 @@ linen_runs = {
 for name, h in linen_runs.items():
     print(
         f"{name:22} test accuracy {100 * h['test accuracy']:.1f}%   final loss {np.mean(h['losses'][-30:]):.4f}   "
-        f"skipped {sum(h['skipped'])}   final scale {h['scales'][-1]:g}"
+        f"skipped {sum(h['skipped'])}   final scale {h['final_scale']:g}"
     )
 state = linen_runs["float16 + ls.dynamic"]["state"]
 print("TrainState.step:", int(state.step), "| applied Adam steps:", int(ls.find_state(state).inner_state[0].count))
@@ -160,7 +161,7 @@ plt.show()
 # images stay inside float16's range); the next-token model below, with its softmax over
 # 2,048 classes, is where the gradients get small.
 #
-# ## 2. flax NNX: a next-token model, with `nnx.Optimizer`
+# ## 2. flax NNX: a next-token model, with nnx.Optimizer
 #
 # `nnx.Optimizer(model, tx, wrt=nnx.Param)` takes the loss-scaled optimizer as it is.
 # `loss_scale.flax.nnx_value_and_grad(loss_fn)(optimizer, model, batch)` returns the loss and
@@ -202,6 +203,7 @@ def train_nnx(policy_text, steps=150, scaled=True, **dynamic_kwargs):
         history["scales"].append(float(lsf.get_scale(optimizer)))
         history["losses"].append(float(train_step(model, optimizer, context, targets)))
         history["skipped"].append(bool(lsf.find_state(optimizer).skipped))
+    history["final_scale"] = float(lsf.get_scale(optimizer))  # after the last step, as the plot ends
     history["optimizer"] = optimizer
     return history
 
@@ -214,7 +216,7 @@ nnx_runs = {
 for name, h in nnx_runs.items():
     print(
         f"{name:22} final loss {np.mean(h['losses'][-20:]):.3f}   skipped {sum(h['skipped'])}   "
-        f"final scale {h['scales'][-1]:g}"
+        f"final scale {h['final_scale']:g}"
     )
 optimizer = nnx_runs["float16 + ls.dynamic"]["optimizer"]
 applied = int(lsf.find_state(optimizer).inner_state[0].count)
@@ -232,7 +234,7 @@ plt.show()
 # over 150 steps, the underflow of float16 without scaling (see `01_why_loss_scaling.ipynb`
 # for how much of the gradient it loses) does not yet show in the loss.
 #
-# ## 3. Equinox: an MLP, with `loss_scale.equinox`
+# ## 3. Equinox: an MLP, with loss_scale.equinox
 #
 # An Equinox model is a pytree whose fields are not all arrays, so gradients are taken
 # with `eqx.filter_value_and_grad`; `loss_scale.equinox` has the loss-scaled pair. The
@@ -265,10 +267,11 @@ for _ in range(300):
     model, opt_state, loss = train_step(model, opt_state, x[batch], y[batch])
     eqx_run["losses"].append(float(loss))
     eqx_run["skipped"].append(bool(ls.find_state(opt_state).skipped))
+eqx_run["final_scale"] = float(ls.get_scale(opt_state))  # after the last step: where the plot's scale curve ends
 test_loss, test_accuracy = evaluate(model, *digits["test"])
 print(
     f"test accuracy {100 * float(test_accuracy):.1f}%   final loss {np.mean(eqx_run['losses'][-30:]):.4f}   "
-    f"skipped {sum(eqx_run['skipped'])}   final scale {float(ls.get_scale(opt_state)):g}"
+    f"skipped {sum(eqx_run['skipped'])}   final scale {eqx_run['final_scale']:g}"
 )
 print("model arrays:", {a.dtype.name for a in jax.tree.leaves(eqx.filter(model, eqx.is_inexact_array))})
 print(

@@ -164,3 +164,14 @@ def test_results_table():
         "float32                 0.123     90.0%   3",
         "float16 + ls.dynamic      nan    100.0%  12",
     ]
+
+
+def test_the_scale_curve_ends_at_the_final_scale(tmp_path):
+    # The plot shows the scale each step was taken at, then the scale after
+    # the last step: the curve ends where the results table does.
+    common = load_script(EXAMPLES / "_common.py", "_common")
+    run = {"losses": [1.0, 0.5, 0.25], "scales": [2.0, 2.0, 4.0], "skipped": [False] * 3, "final_scale": 8.0}
+    figure = common.plot_runs({"float16 + ls.dynamic": run}, title="t", path=str(tmp_path / "p.png"))
+    (scale_axis,) = [ax for ax in figure.axes if ax.get_title() == "Loss scale"]
+    curve = scale_axis.get_lines()[0]
+    assert list(curve.get_ydata()) == [2.0, 2.0, 4.0, 8.0]

@@ -1,7 +1,7 @@
 """The keyword options are declared once (``loss_scale/_options.py``) and
 everything else follows from that declaration: every factory's and preset's
-signature and docstring, the README's API tables. A test fails when any of
-them drifts."""
+signature and docstring, the tables of the API overview (docs/api/index.md).
+A test fails when any of them drifts."""
 
 import ast
 import inspect
@@ -15,7 +15,7 @@ import pytest
 import loss_scale as ls
 from loss_scale._options import OPTIONS
 
-README = (pathlib.Path(__file__).parents[1] / "README.md").read_text()
+API = (pathlib.Path(__file__).parents[1] / "docs" / "api" / "index.md").read_text()
 
 TAKE_OPTIONS = {
     "dynamic": ls.dynamic,
@@ -54,11 +54,11 @@ def test_every_option_reaches_the_transformation(name):
         function(*args, track_grad_nrom=True)
 
 
-def readme_calls():
+def table_calls():
     """``{name: (parameters, defaults, takes **options)}`` for each row of the
-    README's API table that shows a call."""
+    API overview's table that shows a call."""
     calls = {}
-    for row in re.findall(r"^\| `(ls\.[\w.]+\(.*?\))` \|", README, flags=re.MULTILINE):
+    for row in re.findall(r"^\| `(ls\.[\w.]+\(.*?\))` \|", API, flags=re.MULTILINE):
         node = ast.parse(row.replace(", *,", ","), mode="eval").body  # "*" marks keyword-only parameters
         assert isinstance(node, ast.Call), row
         name = ast.unparse(node.func).removeprefix("ls.")
@@ -98,18 +98,18 @@ def actual(name):
     return names, defaults
 
 
-def test_the_readme_api_table_matches_the_signatures():
-    calls = readme_calls()
+def test_the_api_table_matches_the_signatures():
+    calls = table_calls()
     public = {n for n in ls.__all__ if callable(getattr(ls, n)) and not isinstance(getattr(ls, n), type)}
     public |= {f"presets.{n}" for n in ls.presets.__all__}
     public |= {"Policy"}
-    assert public - {"presets"} <= set(calls), f"missing from the README's API table: {public - set(calls)}"
+    assert public - {"presets"} <= set(calls), f"missing from the API table: {public - set(calls)}"
     for name, (names, defaults) in calls.items():
         assert (names, defaults) == actual(name), name
 
 
-def test_the_readme_options_table_matches_the_declaration():
-    table = README[README.index("| option | default | what it does |") :]
+def test_the_options_table_matches_the_declaration():
+    table = API[API.index("| option | default | what it does |") :]
     rows = re.findall(r"^\| `(\w+)` \| `([^`]*)` \|", table[: table.index("\n\n")], flags=re.MULTILINE)
     assert [name for name, _ in rows] == list(OPTIONS)
     for name, default in rows:

@@ -91,8 +91,8 @@ def test_check_skips_raises_the_documented_exception_outside_jit():
 def test_the_docs_say_what_to_catch_under_jit():
     doc = ls.SkippedStepsError.__doc__
     assert "jax.errors.JaxRuntimeError" in doc and "SkippedStepsError: loss_scale:" in doc
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## When training goes wrong") :]
+    guide = (ROOT / "docs" / "guides" / "debugging.md").read_text()
+    section = guide[guide.index("## A run that skips every step") :]
     assert "jax.errors.JaxRuntimeError" in section and "ls.check_skips" in section
 
 
@@ -168,9 +168,9 @@ def test_the_fused_flax_steps_promise_only_one_rounding():
         assert "bit for bit on the CPU)" not in doc and "one float32 rounding" in doc
 
 
-def test_the_readme_does_not_say_state_step_skips_skipped_steps():
-    readme = (ROOT / "README.md").read_text()
-    lines = [line for line in readme.splitlines() if "state.step" in line and "#" in line]
+def test_the_docs_do_not_say_state_step_skips_skipped_steps():
+    guide = (ROOT / "docs" / "guides" / "frameworks.md").read_text()
+    lines = [line for line in guide.splitlines() if "state.step" in line and "#" in line]
     assert lines and not [line for line in lines if "does not count" in line]
 
 
