@@ -20,7 +20,7 @@ from loss_scale._migrate import migrate_state, wrap_opt_state
 from loss_scale._peak import value_grad_and_peak
 from loss_scale._precision import Policy, for_dtype
 from loss_scale._range_report import RangeReport, RangeRow, SegmentRow, range_report
-from loss_scale._rules.segmented import SegmentCounters, SegmentPeaks
+from loss_scale._rules.segmented import SegmentCounters, SegmentPeaks, SegmentTable
 from loss_scale._segments import segment
 from loss_scale._state import LossScaleState, SkipReason, StepRecord
 from loss_scale._update import LossScaleTransformation
@@ -37,6 +37,7 @@ __all__ = [
     "SegmentCounters",
     "SegmentPeaks",
     "SegmentRow",
+    "SegmentTable",
     "SkipReason",
     "SkippedStepsError",
     "StepRecord",

@@ -107,6 +107,18 @@ class SegmentRow(NamedTuple):
       backward_below_normal: fraction below the dtype's smallest normal
         (zeros included).
       overflows: whether a cotangent of the segment was not finite.
+
+    Examples:
+      >>> import jax.numpy as jnp, loss_scale as ls
+      >>> def loss_fn(w, x):
+      ...     h = ls.segment(jnp.tanh(x.astype(jnp.float16) @ w["embed"].astype(jnp.float16)), "embed")
+      ...     return jnp.mean((h @ w["head"].astype(jnp.float16)).astype(jnp.float32))
+      >>> w, x = {"embed": jnp.full((3, 4), 0.25), "head": jnp.ones((4, 2))}, jnp.ones((5, 3))
+      >>> report = ls.range_report(loss_fn, w, x, scale=2.0**10, segments={"embed": 3})
+      >>> [(r.name, r.exponent, r.scale, r.backward_zero) for r in report.segments]
+      [('loss', 0, 1024.0, 0.0), ('embed', 3, 8192.0, 0.0)]
+      >>> sorted({row.segment for row in report.rows})
+      ['embed', 'loss']
     """
 
     name: str

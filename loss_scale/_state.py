@@ -173,7 +173,8 @@ class LossScaleState(NamedTuple):
         if name.startswith("_"):
             raise AttributeError(f"'LossScaleState' object has no attribute {name!r}")
         for part in (self.record, self.counters):
-            if name in getattr(type(part), "_fields", ()):
+            # A field, or a property (SegmentCounters.segment_exponents).
+            if name in getattr(type(part), "_fields", ()) or isinstance(getattr(type(part), name, None), property):
                 return getattr(part, name)
         inner = self.inner_state
         try:

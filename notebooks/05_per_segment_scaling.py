@@ -66,7 +66,7 @@ import loss_scale as ls
 # %% [markdown]
 # ## The model
 #
-# Sixteen sigmoid layers of width 32, no normalisation, float32 parameters, float16 forward and
+# Twenty-four sigmoid layers of width 32, no normalisation, float32 parameters, float16 forward and
 # backward. The derivative of a sigmoid is at most 1/4, so each layer shrinks the cotangent by
 # about two binades on its way back: the first layers' cotangents lie far below the head's.
 # `ls.segment(h, name)` after every second layer marks a boundary; it does nothing unless the
@@ -74,7 +74,7 @@ import loss_scale as ls
 # drawn from a fixed random teacher network.
 
 # %%
-DEPTH, WIDTH, CLASSES, BATCH = 16, 32, 8, 128
+DEPTH, WIDTH, CLASSES, BATCH = 24, 32, 8, 128
 SEGMENTS = tuple(f"layer{k:02d}" for k in range(1, DEPTH, 2))
 rng = np.random.default_rng(0)
 params = {

@@ -26,6 +26,27 @@ from loss_scale._types import LOSS_SEGMENT
 
 # Exponents stay within this, far inside float32's range.
 MAX_EXPONENT = 64
+# A measurement lowers an exponent at once, and raises it by one binade
+# (the batches between measurements may need less than this one did), or
+# by up to STARVED_CLIMB while the parts it decides are starved (their peak
+# more than STARVED binades below the threshold: subnormal or flushed
+# values, nowhere near an overflow). An overflow measured in a part lowers
+# the nearest boundary above it by OVERFLOW_BACKOFF.
+CLIMB = 1
+STARVED_CLIMB = 16
+STARVED = 20
+OVERFLOW_BACKOFF = 4
+MARGIN_STEP = 1
+# The headroom a boundary's parts keep at first on top of the global
+# rule's: they are measured once every few steps, and the batches between
+# vary.
+INITIAL_MARGIN = 2
+# No part is lifted above 2**MAX_CUMULATIVE: a part that needs more holds
+# cotangents so far below the loss's that its contributions to the
+# gradients, brought back to the global scale in float32, are below
+# float32's range (flushed in a float32 run too); lifting it would only
+# risk overflows.
+MAX_CUMULATIVE = 100
 
 
 @jax.tree_util.register_pytree_node_class
@@ -54,11 +75,17 @@ class SegmentPeaks:
       count: how many elements were measured.
 
     Examples:
-      >>> import jax.numpy as jnp
-      >>> from loss_scale._rules.segmented import SegmentPeaks
-      >>> p = SegmentPeaks(((0,), (1,)), ("embed",), *[jnp.array([1.0, 2.0])] * 4)
-      >>> p.peak_of_loss_segment().item()
-      1.0
+      >>> import jax, jax.numpy as jnp, optax, loss_scale as ls
+      >>> def loss_fn(w, x):
+      ...     h = ls.segment(jnp.tanh(x.astype(jnp.float16) @ w["embed"].astype(jnp.float16)), "embed")
+      ...     return jnp.mean((h @ w["head"].astype(jnp.float16)).astype(jnp.float32) ** 2)
+      >>> w = {"embed": jnp.ones((3, 4)) / 4, "head": jnp.ones((4, 2))}
+      >>> tx = ls.predictive(optax.sgd(0.1), initial_scale=1.0, segments=("embed",))
+      >>> _, grads, peaks = ls.value_grad_and_peak(loss_fn)(tx.init(w), w, jnp.ones((5, 3)))
+      >>> peaks.names, peaks.keys  # the loss's own segment, and below the boundary
+      (('embed',), ((0,), (1,)))
+      >>> [round(float(p), 2) for p in peaks.peak]  # largest scaled cotangent of each
+      [1.61, 3.03]
     """
 
     def __init__(
@@ -101,6 +128,9 @@ class SegmentTable:
       names: the boundaries' names, sorted.
       exponent: int32[n]: boundary ``names[i]`` multiplies the cotangents
         below it by ``2**exponent[i]``.
+      margin: int32[n]: binades of headroom the parts that boundary
+        ``names[i]`` decides keep on top of the global rule's, learned from
+        overflows located in them (their batch-to-batch spread).
       peak: float32[n + 1]: each segment's largest *unscaled* cotangent
         magnitude at the last measurement (index 0 the loss's segment, then
         ``names``' order; the segment of a value is the deepest boundary its
@@ -122,15 +152,16 @@ class SegmentTable:
         self,
         names: tuple[str, ...],
         exponent: jax.Array,
+        margin: jax.Array,
         peak: jax.Array,
         zero_fraction: jax.Array,
         below_normal_fraction: jax.Array,
     ):
         self.names = tuple(names)
-        self.exponent, self.peak = exponent, peak
+        self.exponent, self.margin, self.peak = exponent, margin, peak
         self.zero_fraction, self.below_normal_fraction = zero_fraction, below_normal_fraction
 
-    _FIELDS = ("exponent", "peak", "zero_fraction", "below_normal_fraction")
+    _FIELDS = ("exponent", "margin", "peak", "zero_fraction", "below_normal_fraction")
 
     def tree_flatten_with_keys(self):
         return [(jax.tree_util.GetAttrKey(f), getattr(self, f)) for f in self._FIELDS], self.names
@@ -182,6 +213,14 @@ class SegmentCounters(NamedTuple):
         as in ``PredictiveCounters``.
       segments: a ``SegmentTable``: each boundary's exponent and each
         segment's last measurement.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, loss_scale as ls
+      >>> state = ls.predictive(optax.sgd(0.1), segments=("embed",)).init(jnp.zeros(2))
+      >>> type(state.counters).__name__, state.counters._fields[-1]
+      ('SegmentCounters', 'segments')
+      >>> {name: int(e) for name, e in state.counters.segment_exponents.items()}
+      {'embed': 0}
     """
 
     headroom: jax.Array
@@ -210,19 +249,31 @@ class SegmentedRule(PredictiveRule):
     Each part ``k`` of the backward pass (a potential ``c_k``) measured at
     the cumulative scale ``S * 2**(c_k @ e)`` had an unscaled peak ``u_k``;
     its target is the largest exponent ``t_k`` with ``u_k * 2**t_k`` at
-    least ``min_headroom + extra_headroom * max(1, sum(c_k))`` binades below
-    the threshold: what overflows taught counts once per boundary crossed,
-    as a part many crossings deep moves with the batch-to-batch spread of
-    every factor above it.
+    least ``min_headroom + extra_headroom`` binades below the threshold.
     With ``a = ceil(log2(S))`` for the new global scale, the exponents are
     chosen boundary by boundary, nearest to the loss first (by the fewest
     crossings of any part that crosses it): boundary ``m`` gets the largest
     ``e_m`` for which every measured part whose other boundaries are already
-    chosen stays within its target, ``a + c_k @ e <= t_k``. A boundary with
-    no measured part keeps its exponent. Between measurements, and on a
+    chosen stays within its target, ``a + c_k @ e <= t_k``: lowered at
+    once, raised by one binade a measurement (the batches until the next
+    measurement may need less than this one did), or by up to 16 while the
+    parts it decides are starved (their largest cotangent 20 binades or
+    more below the threshold). A boundary with no measured part keeps its
+    exponent. Between measurements, and on a
     step that overflows, the exponents stay; the global scale backs off as
     ``PredictiveRule``'s does, which lowers every segment alike, and the
-    next step (``good_steps`` 0) measures again.
+    next step (``good_steps`` 0) measures again. An overflow that a
+    measuring step locates below the loss's own part is the boundaries'
+    business, not the global scale's: the exponent of the boundary nearest
+    to the loss among those deciding an overflowing part comes down by
+    ``OVERFLOW_BACKOFF`` and the parts it decides keep a binade more of
+    headroom from then on (``SegmentTable.margin``: what that boundary's
+    parts vary by from batch to batch, learned), and the global rule
+    counts the step as clean (the step itself is skipped all the same). An
+    overflow on a step that did not measure backs the global scale off for
+    that step as ``PredictiveRule`` does, but what it teaches goes to every
+    boundary's margin (a binade each) instead of the global rule's extra
+    headroom, which would lower the global scale for good.
     """
 
     segments: tuple[str, ...] = ()
@@ -233,6 +284,7 @@ class SegmentedRule(PredictiveRule):
         table = SegmentTable(
             self.segments,
             jnp.zeros((n,), jnp.int32),
+            jnp.full((n,), INITIAL_MARGIN, jnp.int32),
             *(jnp.zeros((n + 1,), jnp.float32) for _ in range(3)),
         )
         return RuleState(start.scale, start.good_steps, SegmentCounters(*start.counters, table))
@@ -251,9 +303,31 @@ class SegmentedRule(PredictiveRule):
             # alone: the global scale is the one a single scale would take,
             # and the boundaries lift the segments that need more.
             global_peak = jnp.max(peaks.peak * jnp.ldexp(jnp.float32(1.0), -self._powers(peaks, counters)))
+        global_finite = finite
+        if peaks is not None and len(peaks.keys) > 0:
+            # An overflow measured below the loss's own part is the
+            # boundaries' business (the nearest one above it comes down,
+            # below), not the global scale's: for it the step is clean.
+            below = ~finite & jnp.isfinite(peaks.peak[0]) & ~jnp.all(jnp.isfinite(peaks.peak))
+            global_finite = finite | below
+            grad_max = jnp.where(below, 0.0, grad_max)
         predictive = PredictiveCounters(*counters[:_PREDICTIVE_FIELDS])
-        moved = super().adjust(RuleState(scale, good_steps, predictive), finite, grad_max, global_peak)
+        moved = super().adjust(RuleState(scale, good_steps, predictive), global_finite, grad_max, global_peak)
         table = counters.segments
+        if peaks is not None and len(peaks.keys) > 0 and self.segments:
+            # An overflow on a step that did not measure may have been in any
+            # part: the global scale backs off for the step as one scale's
+            # does, but what it learns (extra headroom, which would lower it
+            # for good) goes to every boundary's parts instead, a binade each.
+            unmeasured = ~finite & jnp.all(peaks.peak == 0)
+            moved = moved._replace(
+                counters=moved.counters._replace(
+                    extra_headroom=jnp.where(unmeasured, predictive.extra_headroom, moved.counters.extra_headroom)
+                )
+            )
+            table = table.replace(
+                margin=jnp.where(unmeasured, jnp.minimum(table.margin + MARGIN_STEP, MAX_EXPONENT), table.margin)
+            )
         if peaks is not None and len(peaks.keys) > 0:
             # Only a step that measured something moves them (one branch,
             # so the other steps do not pay for the solve).
@@ -263,7 +337,27 @@ class SegmentedRule(PredictiveRule):
                 lambda: self._segments(peaks, counters, moved, scale, measured),
                 lambda: table,
             )
+            # A measuring step that overflowed below the loss's own part: the
+            # nearest boundary above the overflow comes down.
+            table = jax.lax.cond(below, lambda: self._back_off(peaks, table), lambda: table)
+
         return RuleState(moved.scale, moved.good_steps, SegmentCounters(*moved.counters, table))
+
+    def _back_off(self, peaks: SegmentPeaks, table: SegmentTable) -> SegmentTable:
+        """``table`` with the exponent of the boundary nearest to the loss
+        among those whose parts measured a non-finite peak lowered by
+        ``OVERFLOW_BACKOFF`` (the parts below it saw the same inf)."""
+        keys = np.asarray(peaks.keys, np.int32).reshape(len(peaks.keys), len(self.segments))
+        order = [m for m in _order(keys) if _parts_decided_by(keys, m).size]
+        if not order:
+            return table
+        bad = jnp.stack([~jnp.all(jnp.isfinite(peaks.peak[_parts_decided_by(keys, m)])) for m in order])
+        first = jnp.asarray(order)[jnp.argmax(bad)]
+        lowered = jnp.maximum(table.exponent[first] - OVERFLOW_BACKOFF, -MAX_EXPONENT)
+        exponent = jnp.where(jnp.any(bad), table.exponent.at[first].set(lowered), table.exponent)
+        # ... and its parts keep MARGIN_STEP binades more headroom from now on.
+        margin = jnp.where(jnp.any(bad), table.margin.at[first].add(MARGIN_STEP), table.margin)
+        return table.replace(exponent=exponent.astype(jnp.int32), margin=jnp.minimum(margin, MAX_EXPONENT))
 
     def _unscaled(self, peaks: SegmentPeaks, counters: SegmentCounters, scale: jax.Array) -> jax.Array:
         """Each part's unscaled peak: its measured one over the cumulative
@@ -292,11 +386,7 @@ class SegmentedRule(PredictiveRule):
         keys = np.asarray(peaks.keys, np.int32).reshape(len(peaks.keys), len(self.segments))
         old = counters.segments.exponent if self.segments else None
         unscaled = self._unscaled(peaks, counters, scale)
-        # What overflows taught compounds with the crossings: a part k
-        # boundaries deep moves with k factors' worth of the batch-to-batch
-        # spread, so each overflow adds a binade per crossing.
-        crossings = np.maximum(keys.sum(axis=1), 1)
-        margin = self.min_headroom + moved.counters.extra_headroom * jnp.asarray(crossings, jnp.int32)
+        margin = self.min_headroom + moved.counters.extra_headroom
         target = jnp.where(measured, self._room(unscaled) - margin, 0)
         new = old
         if old is not None:
@@ -307,10 +397,15 @@ class SegmentedRule(PredictiveRule):
                     continue
                 c = keys[mine]
                 others = jnp.asarray(np.delete(c, m, axis=1)) @ jnp.delete(new, m) if len(self.segments) > 1 else 0
-                room = target[mine] - a - others
+                room = target[mine] - counters.segments.margin[m] - a - others
                 best = jnp.floor_divide(room, jnp.asarray(c[:, m]))
                 best = jnp.where(measured[mine], best, jnp.iinfo(jnp.int32).max)
-                chosen = jnp.clip(jnp.min(best), -MAX_EXPONENT, MAX_EXPONENT)
+                best = jnp.minimum(best, jnp.floor_divide(MAX_CUMULATIVE - a - others, jnp.asarray(c[:, m])))
+                starved = jnp.all(
+                    jnp.where(measured[mine], peaks.peak[mine] < self.overflow_threshold * 2.0**-STARVED, True)
+                )
+                climb = jnp.where(starved, STARVED_CLIMB, CLIMB)
+                chosen = jnp.clip(jnp.minimum(jnp.min(best), old[m] + climb), -MAX_EXPONENT, MAX_EXPONENT)
                 new = new.at[m].set(jnp.where(jnp.any(measured[mine]), chosen, new[m]).astype(jnp.int32))
         # Statistics per named segment: each part belongs to the deepest
         # boundary it crosses (the loss's segment, index 0, for none).
@@ -329,7 +424,10 @@ class SegmentedRule(PredictiveRule):
             values["below_normal_fraction"].append(jnp.sum(peaks.below_normal[parts]) / count)
         exponent = new.astype(jnp.int32) if new is not None else table.exponent
         return SegmentTable(
-            self.segments, exponent, *(jnp.stack(column).astype(jnp.float32) for column in values.values())
+            self.segments,
+            exponent,
+            table.margin,
+            *(jnp.stack(column).astype(jnp.float32) for column in values.values()),
         )
 
 

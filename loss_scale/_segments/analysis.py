@@ -296,6 +296,16 @@ class Analyser:
                 "them: put a boundary on both outputs alike, or on its inputs instead"
             )
         (p,) = live
+        if primitive == "scan" and not in_scan:
+            # A scan without boundaries is bound whole, but a measuring step
+            # looks inside it (a value inside can exceed its outputs': the
+            # per-step gradient of a weight cast inside the body), every
+            # step at the same potential as its outputs.
+            body = eqn.params["jaxpr"].jaxpr
+            dependent_in = [_is_var(v) and v in plan.dependent for v in eqn.invars]
+            dependent_body = _body_dependence(body, dependent_in, eqn.params["num_consts"], eqn.params["num_carry"])
+            step = self._jaxpr(body, [p] * len(body.outvars), dependent_body, in_scan=True)
+            plan.inner[i] = ScanPlan([step] * eqn.params["length"], {})
         return [p] * len(eqn.invars)
 
     def _inner(self, plan: Plan, i: int, sub: Plan, in_scan: bool, eqn: Any) -> list[Potential | None]:
@@ -336,15 +346,7 @@ class Analyser:
         body = params["jaxpr"].jaxpr
         n_consts, n_carry, length = params["num_consts"], params["num_carry"], params["length"]
         order = range(length) if params["reverse"] else range(length - 1, -1, -1)
-        # The body's inputs depend on the differentiated ones when the scan's
-        # do, or when the carry comes to depend on them (a fixed point).
-        dependent_body = list(dependent_in)
-        for _ in range(n_carry + 1):
-            out_dependent = _dependent_outputs(body, dependent_body)
-            carry = [a or b for a, b in zip(dependent_body[n_consts : n_consts + n_carry], out_dependent, strict=False)]
-            if carry == dependent_body[n_consts : n_consts + n_carry]:
-                break
-            dependent_body[n_consts : n_consts + n_carry] = carry
+        dependent_body = _body_dependence(body, dependent_in, n_consts, n_carry)
         carry_out = list(outs[:n_carry])
         ys = list(outs[n_carry:])
         steps: list[Plan | None] = [None] * length
@@ -389,6 +391,14 @@ class Analyser:
         where = f" ({_describe(eqn, '')})" if eqn is not None else ""
         at = f" at scan step {step}" if step is not None else ""
         what = "a parameter" if var in seeded else "a value"
+        if var in seeded:
+            used_in = self.describe(second if first == self.zero else first)
+            return SegmentError(
+                f"a parameter of dtype {var.aval.dtype} and shape {tuple(var.aval.shape)} is used in segment "
+                f"{used_in}{at}{where}, and per-segment scaling brings every parameter's gradient back to the global "
+                f"scale, which a {var.aval.dtype} gradient cannot hold exactly. Keep parameters in float32 and cast "
+                "them to float16 where they are used (the mixed-precision recipe)"
+            )
         return SegmentError(
             f"{what} of dtype {var.aval.dtype} and shape {tuple(var.aval.shape)} is used in two segments of "
             f"different scales{at} ({self.describe(first)}; {self.describe(second)}){where}. A {var.aval.dtype} "
@@ -407,6 +417,20 @@ def _dependent(jaxpr: Any, dependent_in: Sequence[bool]) -> set[Any]:
         if any(_is_var(v) and v in dependent for v in eqn.invars):
             dependent.update(v for v in eqn.outvars if _is_var(v))
     return dependent
+
+
+def _body_dependence(body: Any, dependent_in: Sequence[bool], n_consts: int, n_carry: int) -> list[bool]:
+    """Which inputs of a scan body depend on the differentiated inputs:
+    those whose outer inputs do, and the carries that come to depend on
+    them through the loop (a fixed point)."""
+    dependent_body = list(dependent_in)
+    for _ in range(n_carry + 1):
+        out_dependent = _dependent_outputs(body, dependent_body)
+        carry = [a or b for a, b in zip(dependent_body[n_consts : n_consts + n_carry], out_dependent, strict=False)]
+        if carry == dependent_body[n_consts : n_consts + n_carry]:
+            break
+        dependent_body[n_consts : n_consts + n_carry] = carry
+    return dependent_body
 
 
 def _dependent_outputs(jaxpr: Any, dependent_in: Sequence[bool]) -> list[bool]:

@@ -193,7 +193,8 @@ class Evaluator:
         inner = plan.inner.get(i)
         name = eqn.primitive.name
         if inner is not None and body is None:
-            if isinstance(inner, ScanPlan):
+            # A scan rebuilt where a step changes, or to measure inside it.
+            if isinstance(inner, ScanPlan) and (self.measure or inner.rewrites):
                 return self._scan(eqn, invals, inner)
             if isinstance(inner, list):
                 # Rebuilt where a branch changes, or to measure inside it.
