@@ -62,6 +62,10 @@ class RangeRow(NamedTuple):
       headroom: how many times larger the cotangent could be before it
         overflows, measured at ``max_safe_scale`` (``inf`` for a zero
         cotangent; ``nan`` when no scale is safe).
+      segment: with ``range_report(..., segments=...)``, the segment the
+        value's cotangent is in (``"loss"`` for the loss's own; a
+        differentiated argument's gradient is brought back to the global
+        scale, so its row is in ``"loss"``); ``""`` otherwise.
 
     Examples:
       >>> import jax.numpy as jnp, loss_scale as ls

@@ -45,6 +45,7 @@ def test_every_notebook_has_its_source():
             "02_train_with_flax",
             "03_diagnostics",
             "04_why_did_my_run_fail",
+            "05_per_segment_scaling",
         ]
     )
     assert not (NOTEBOOK_DIR / "_build.py").exists()

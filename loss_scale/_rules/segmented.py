@@ -209,10 +209,14 @@ class SegmentCounters(NamedTuple):
     global scale's), then the segments' table.
 
     Attributes:
-      headroom, grad_peak, searching, overflow_run, extra_headroom, measured:
-        as in ``PredictiveCounters``.
-      segments: a ``SegmentTable``: each boundary's exponent and each
-        segment's last measurement.
+      headroom: as in ``PredictiveCounters`` (the global scale's).
+      grad_peak: as in ``PredictiveCounters``.
+      searching: as in ``PredictiveCounters``.
+      overflow_run: as in ``PredictiveCounters``.
+      extra_headroom: as in ``PredictiveCounters``.
+      measured: as in ``PredictiveCounters``.
+      segments: a ``SegmentTable``: each boundary's exponent and margin, and
+        each segment's last measurement.
 
     Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
