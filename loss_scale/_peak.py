@@ -30,7 +30,7 @@ from loss_scale._grad import data_parallel_objective
 from loss_scale._probe import Evaluator, on_paths
 from loss_scale._segments import SegmentedGradient
 from loss_scale._sharding import axis_names, vary_along, varying_axes
-from loss_scale._signatures import named_after
+from loss_scale._signatures import named_after, over_leaves
 from loss_scale._types import AxisName, PyTree
 
 
@@ -181,16 +181,7 @@ def _grad_and_peak(
     with respect to a zero probe on every floating intermediate, and the
     largest cotangent magnitude of dtype ``dtype``. ``argnums`` were checked
     by the plain evaluation, traced first."""
-    positions = [argnums] if isinstance(argnums, int) else list(argnums)
-    positions = [a % len(args) for a in positions]
-    leaves, tree = jax.tree.flatten([args[a] for a in positions])
-
-    def of_leaves(leaves):
-        call = list(args)
-        for a, value in zip(positions, jax.tree.unflatten(tree, leaves), strict=True):
-            call[a] = value
-        return scaled(*call, **kwargs)
-
+    of_leaves, leaves, tree = over_leaves(scaled, argnums, args, kwargs)
     closed, out_shapes = jax.make_jaxpr(of_leaves, return_shape=True)(leaves)
     out_tree = jax.tree.structure(out_shapes)
     # The scaled loss is the first output; only the values jax.grad forms a

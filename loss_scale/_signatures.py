@@ -6,6 +6,9 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
 
 
 def need_arguments(args: tuple, names: Sequence[str], call: str) -> None:
@@ -46,3 +49,23 @@ def named_after(fun: Callable) -> Callable[[Callable], Callable]:
         return wrapper
 
     return name
+
+
+def over_leaves(
+    fun: Callable[..., Any], argnums: int | Sequence[int], args: tuple, kwargs: dict
+) -> tuple[Callable[[list], Any], list, Any]:
+    """``fun(*args, **kwargs)`` as a function of the flat leaves of the
+    arguments ``argnums`` (negative ones count from the end), the others
+    held as they are: ``(of_leaves, leaves, treedef)``, for tracing a loss
+    function once with respect to exactly what ``jax.grad`` differentiates."""
+    positions = [argnums] if isinstance(argnums, int) else list(argnums)
+    positions = [a % len(args) for a in positions]
+    leaves, tree = jax.tree.flatten([args[a] for a in positions])
+
+    def of_leaves(leaves: list) -> Any:
+        call = list(args)
+        for a, value in zip(positions, jax.tree.unflatten(tree, leaves), strict=True):
+            call[a] = value
+        return fun(*call, **kwargs)
+
+    return of_leaves, leaves, tree

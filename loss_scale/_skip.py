@@ -54,11 +54,11 @@ def runs_unconditionally(closed: jax.extend.core.ClosedJaxpr) -> bool:
         for eqn in jaxpr.eqns:
             if eqn.primitive.name in _CONTROL_FLOW:
                 return False
-            stack.extend(_sub_jaxprs(eqn.params))
+            stack.extend(sub_jaxprs(eqn.params))
     return True
 
 
-def _sub_jaxprs(params: Mapping[str, Any]) -> list[Any]:
+def sub_jaxprs(params: Mapping[str, Any]) -> list[Any]:
     """The jaxprs among an equation's parameters (a call's ``jaxpr``, a
     ``cond``'s ``branches``), open or closed."""
     found = []

@@ -27,6 +27,7 @@ from loss_scale._segments.analysis import Analyser, SegmentError, has_marker
 from loss_scale._segments.evaluate import STATS, Evaluator, new_probes
 from loss_scale._segments.marker import segment
 from loss_scale._sharding import axis_names, varying_axes
+from loss_scale._signatures import over_leaves
 from loss_scale._state import LossScaleState
 from loss_scale._unscale import is_float_leaf
 
@@ -185,16 +186,7 @@ class SegmentedGradient:
     ) -> SegmentedGradient | None:
         if segment_names(state) is None:
             return None
-        positions = [argnums] if isinstance(argnums, int) else list(argnums)
-        positions = [a % len(args) for a in positions]
-        leaves, tree = jax.tree.flatten([args[a] for a in positions])
-
-        def of_leaves(leaves):
-            call = list(args)
-            for a, value in zip(positions, jax.tree.unflatten(tree, leaves), strict=True):
-                call[a] = value
-            return scaled(*call, **kwargs)
-
+        of_leaves, leaves, tree = over_leaves(scaled, argnums, args, kwargs)
         segmented = Segmented.trace(of_leaves, leaves, state, compute_dtype=compute_dtype)
         if segmented is None:
             return None

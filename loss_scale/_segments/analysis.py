@@ -43,6 +43,7 @@ import numpy as np
 
 from loss_scale._probe import _describe
 from loss_scale._segments.marker import marker_name
+from loss_scale._skip import sub_jaxprs
 
 Potential = tuple[int, ...]
 
@@ -66,18 +67,6 @@ def _floating(v: Any) -> bool:
 
 def _wide(v: Any) -> bool:
     return jnp.finfo(v.aval.dtype).bits >= 32
-
-
-def sub_jaxprs(params: dict) -> list[Any]:
-    """The jaxprs among an equation's parameters (open or closed)."""
-    found = []
-    for value in params.values():
-        for item in value if isinstance(value, tuple | list) else (value,):
-            if hasattr(item, "eqns"):
-                found.append(item)
-            elif hasattr(getattr(item, "jaxpr", None), "eqns"):
-                found.append(item.jaxpr)
-    return found
 
 
 def has_marker(jaxpr: Any) -> bool:
