@@ -345,3 +345,39 @@ def test_the_transformation_deep_copies_and_its_update_differentiates():
     derivative = jax.grad(after_one_step)(1.0)
     expected = -0.1 * jnp.sum(ls.unscale(grads, state)["head"])
     np.testing.assert_allclose(derivative, expected, rtol=1e-5)
+
+
+def test_pmap_data_parallel_equals_one_device():
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices (tests/conftest.py sets 8 virtual CPU devices)")
+    loss_fn = two_segment_loss(dense_head)
+    params, x = params_and_batch()
+    x = jnp.concatenate([x, x[::-1] * 0.5])  # 10 rows, 5 per device
+    tx = segmented("embed", inner=optax.sgd(0.1), axis_name="data")
+    reference_tx = segmented("embed", inner=optax.sgd(0.1))
+
+    def local_step(state, params, x):
+        _, grads, peaks = ls.value_grad_and_peak(loss_fn, every=1, axis_name="data")(state, params, x)
+        updates, state = tx.update(grads, state, params, backward_peak=peaks)
+        return optax.apply_updates(params, updates), state
+
+    def reference_step(state, params, x):
+        _, grads, peaks = ls.value_grad_and_peak(loss_fn, every=1)(state, params, x)
+        updates, state = reference_tx.update(grads, state, params, backward_peak=peaks)
+        return optax.apply_updates(params, updates), state
+
+    replicate = lambda tree: jax.tree.map(lambda a: jnp.stack([a, a]), tree)  # noqa: E731
+    p, s = replicate(params), replicate(tx.init(params))
+    rp, rs = params, reference_tx.init(params)
+    for _ in range(3):
+        p, s = jax.pmap(local_step, axis_name="data")(s, p, x.reshape(2, 5, -1))
+        rp, rs = jax.jit(reference_step)(rs, rp, x)
+    # Every replica alike. Under pmap each device differentiates its own
+    # batch's mean loss, whose cotangents are twice the whole batch's: the
+    # measured peaks, and so the global scale, differ by that factor; the
+    # boundaries' factors (relative) and the updates do not.
+    assert float(s.scale[0]) == float(s.scale[1]) in (float(rs.scale), float(rs.scale) / 2)
+    np.testing.assert_array_equal(s.counters.segments.exponent[0], s.counters.segments.exponent[1])
+    np.testing.assert_array_equal(s.counters.segments.exponent[0], rs.counters.segments.exponent)
+    for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(rp), strict=True):
+        np.testing.assert_allclose(a[0], b, rtol=1e-3, atol=1e-6)
