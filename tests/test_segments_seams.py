@@ -144,8 +144,13 @@ def test_a_train_step_under_vmap_keeps_one_state_per_member():
         p, s = params, tx.init(params)
         for _ in range(3):
             p, s = jax.jit(step)(s, p, xs[member])
+        # Integer counters agree exactly; measured peaks come from the batched program's
+        # own matmuls, so they agree to float32 rounding.
         for a, b in zip(jax.tree.leaves(s.counters), jax.tree.leaves(states.counters), strict=True):
-            np.testing.assert_array_equal(a, b[member])
+            if jnp.issubdtype(a.dtype, jnp.floating):
+                np.testing.assert_allclose(a, b[member], rtol=1e-6)
+            else:
+                np.testing.assert_array_equal(a, b[member])
         for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(stacked), strict=True):
             np.testing.assert_allclose(a, b[member], rtol=1e-6)
 
@@ -267,8 +272,10 @@ def test_a_boundary_in_an_nnx_module_with_batch_statistics():
     state = models.with_exponents(optimizer.opt_state, scale=2.0**14, embed=20)
     _, grads = nnx_value_and_grad(loss_fn)(state, model, x)
     unscaled = ls.unscale(grads, state)
-    # The batch statistics moved as nnx.grad moves them.
-    np.testing.assert_array_equal(model.norm.mean[...], reference.norm.mean[...])
+    # The batch statistics moved as nnx.grad moves them (to float32 rounding: the two
+    # programs are traced differently, and XLA may order the mean's sum differently).
+    np.testing.assert_allclose(model.norm.mean[...], reference.norm.mean[...], rtol=1e-6, atol=1e-9)
+    assert not np.allclose(model.norm.mean[...], 0.0)
     # The embedding's gradient: the unmarked float16 run flushes it, this one keeps it.
     assert float(jnp.max(jnp.abs(oracle["embed"]["kernel"][...]))) == 0.0
     assert float(jnp.max(jnp.abs(unscaled["embed"]["kernel"][...]))) > 0.0
