@@ -39,6 +39,18 @@ def measured_grads(tx, loss_fn, params, *args, steps=3):
     return ls.unscale(grads, state), state
 
 
+def train_step(tx, loss_fn, every=1, axis_name=None):
+    """``(params, state, x) -> (params, state)``: one measured step of ``tx``."""
+    measure = ls.value_grad_and_peak(loss_fn, every=every, axis_name=axis_name)
+
+    def step(params, state, x):
+        _, grads, peaks = measure(state, params, x)
+        updates, state = tx.update(grads, state, params, backward_peak=peaks)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
 def shrink(h, binades):
     """``h`` forward; its cotangents ``2**-binades`` times smaller."""
     small = h * jnp.asarray(2.0**-binades, h.dtype)
@@ -128,22 +140,17 @@ def test_a_train_step_under_vmap_keeps_one_state_per_member():
     loss_fn = two_segment_loss(dense_head)
     params, x = params_and_batch()
     tx = segmented("embed", inner=optax.adam(1e-3))
-
-    def step(state, params, x):
-        _, grads, peaks = ls.value_grad_and_peak(loss_fn, every=1)(state, params, x)
-        updates, state = tx.update(grads, state, params, backward_peak=peaks)
-        return optax.apply_updates(params, updates), state
-
+    step = train_step(tx, loss_fn)
     stacked = jax.tree.map(lambda a: jnp.stack([a, a]), params)
     states = jax.vmap(tx.init)(stacked)
     xs = jnp.stack([x, x * 0.5])
     for _ in range(3):
-        stacked, states = jax.jit(jax.vmap(step))(states, stacked, xs)
+        stacked, states = jax.jit(jax.vmap(step))(stacked, states, xs)
     # Each member equals its own unbatched run.
     for member in range(2):
         p, s = params, tx.init(params)
         for _ in range(3):
-            p, s = jax.jit(step)(s, p, xs[member])
+            p, s = jax.jit(step)(p, s, xs[member])
         # Integer counters agree exactly; measured peaks come from the batched program's
         # own matmuls, so they agree to float32 rounding.
         for a, b in zip(jax.tree.leaves(s.counters), jax.tree.leaves(states.counters), strict=True):
@@ -160,22 +167,22 @@ def test_a_train_step_inside_lax_scan_equals_the_python_loop():
     params, x = params_and_batch()
     tx = segmented("embed", inner=optax.adam(1e-3))
 
+    train = train_step(tx, loss_fn, every=2)
+
     def step(carry, _):
-        state, params = carry
-        _, grads, peaks = ls.value_grad_and_peak(loss_fn, every=2)(state, params, x)
-        updates, state = tx.update(grads, state, params, backward_peak=peaks)
-        return (state, optax.apply_updates(params, updates)), state.scale
+        params, state = train(*carry, x)
+        return (params, state), state.scale
 
     four_steps = jax.jit(lambda carry: jax.lax.scan(step, carry, None, length=4))
-    (scanned_state, scanned), scales = four_steps((tx.init(params), params))
-    carry = (tx.init(params), params)
+    (scanned, scanned_state), scales = four_steps((params, tx.init(params)))
+    carry = (params, tx.init(params))
     looped = []
     for _ in range(4):
         carry, scale = jax.jit(step)(carry, None)
         looped.append(float(scale))
     assert [float(s) for s in scales] == looped
-    np.testing.assert_array_equal(scanned_state.counters.segments.exponent, carry[0].counters.segments.exponent)
-    for a, b in zip(jax.tree.leaves(scanned), jax.tree.leaves(carry[1]), strict=True):
+    np.testing.assert_array_equal(scanned_state.counters.segments.exponent, carry[1].counters.segments.exponent)
+    for a, b in zip(jax.tree.leaves(scanned), jax.tree.leaves(carry[0]), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5)
 
 
@@ -189,27 +196,17 @@ def test_shard_map_data_parallel_equals_one_device():
     reference_tx = segmented("embed", inner=optax.sgd(0.1))
     mesh = jax.make_mesh((2,), ("data",))
     spec = jax.sharding.PartitionSpec
-
-    def local_step(state, params, x):
-        _, grads, peaks = ls.value_grad_and_peak(loss_fn, every=1, axis_name="data")(state, params, x)
-        updates, state = tx.update(grads, state, params, backward_peak=peaks)
-        return optax.apply_updates(params, updates), state
-
+    local_step = train_step(tx, loss_fn, axis_name="data")
     sharded = jax.jit(
         jax.shard_map(local_step, mesh=mesh, in_specs=(spec(), spec(), spec("data")), out_specs=(spec(), spec()))
     )
-
-    def reference_step(state, params, x):
-        _, grads, peaks = ls.value_grad_and_peak(loss_fn, every=1)(state, params, x)
-        updates, state = reference_tx.update(grads, state, params, backward_peak=peaks)
-        return optax.apply_updates(params, updates), state
-
+    reference_step = jax.jit(train_step(reference_tx, loss_fn))
     p, s = params, tx.init(params)
     rp, rs = params, reference_tx.init(params)
     x_sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec("data")))
     for _ in range(3):
-        p, s = sharded(s, p, x_sharded)
-        rp, rs = jax.jit(reference_step)(rs, rp, x)
+        p, s = sharded(p, s, x_sharded)
+        rp, rs = reference_step(rp, rs, x)
     assert float(s.scale) == float(rs.scale)
     np.testing.assert_array_equal(s.counters.segments.exponent, rs.counters.segments.exponent)
     for a, b in zip(jax.tree.leaves(p), jax.tree.leaves(rp), strict=True):
@@ -317,23 +314,17 @@ def test_the_state_survives_an_orbax_checkpoint_and_resumes_bit_identically(tmp_
     loss_fn = two_segment_loss(dense_head)
     params, x = params_and_batch()
     tx = segmented("embed", inner=optax.adam(1e-3))
-
-    @jax.jit
-    def step(state, params):
-        _, grads, peaks = ls.value_grad_and_peak(loss_fn, every=2)(state, params, x)
-        updates, state = tx.update(grads, state, params, backward_peak=peaks)
-        return state, optax.apply_updates(params, updates)
-
+    step = jax.jit(train_step(tx, loss_fn, every=2))
     state = tx.init(params)
     for _ in range(3):
-        state, params = step(state, params)
+        params, state = step(params, state, x)
     checkpointer = ocp.StandardCheckpointer()
     checkpointer.save(tmp_path / "ckpt", {"state": state, "params": params})
     checkpointer.wait_until_finished()
     restored = checkpointer.restore(tmp_path / "ckpt", {"state": state, "params": params})
-    a, b = (state, params), (restored["state"], restored["params"])
+    a, b = (params, state), (restored["params"], restored["state"])
     for _ in range(3):
-        a, b = step(*a), step(*b)
+        a, b = step(*a, x), step(*b, x)
     for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(u, v)
 
@@ -362,23 +353,14 @@ def test_pmap_data_parallel_equals_one_device():
     x = jnp.concatenate([x, x[::-1] * 0.5])  # 10 rows, 5 per device
     tx = segmented("embed", inner=optax.sgd(0.1), axis_name="data")
     reference_tx = segmented("embed", inner=optax.sgd(0.1))
-
-    def local_step(state, params, x):
-        _, grads, peaks = ls.value_grad_and_peak(loss_fn, every=1, axis_name="data")(state, params, x)
-        updates, state = tx.update(grads, state, params, backward_peak=peaks)
-        return optax.apply_updates(params, updates), state
-
-    def reference_step(state, params, x):
-        _, grads, peaks = ls.value_grad_and_peak(loss_fn, every=1)(state, params, x)
-        updates, state = reference_tx.update(grads, state, params, backward_peak=peaks)
-        return optax.apply_updates(params, updates), state
-
+    local_step = jax.pmap(train_step(tx, loss_fn, axis_name="data"), axis_name="data")
+    reference_step = jax.jit(train_step(reference_tx, loss_fn))
     replicate = lambda tree: jax.tree.map(lambda a: jnp.stack([a, a]), tree)  # noqa: E731
     p, s = replicate(params), replicate(tx.init(params))
     rp, rs = params, reference_tx.init(params)
     for _ in range(3):
-        p, s = jax.pmap(local_step, axis_name="data")(s, p, x.reshape(2, 5, -1))
-        rp, rs = jax.jit(reference_step)(rs, rp, x)
+        p, s = local_step(p, s, x.reshape(2, 5, -1))
+        rp, rs = reference_step(rp, rs, x)
     # Every replica alike. Under pmap each device differentiates its own
     # batch's mean loss, whose cotangents are twice the whole batch's: the
     # measured peaks, and so the global scale, differ by that factor; the
