@@ -104,11 +104,35 @@ def _cross_entropy(logits: jax.Array, labels: jax.Array) -> jax.Array:
     return -jnp.mean(jnp.take_along_axis(log_probs, labels[:, None], axis=1))
 
 
-def _accuracy_of(logits_fn: Callable) -> Callable:
-    def accuracy(params, batch):
-        return jnp.mean(jnp.argmax(logits_fn(params, batch[0], jnp.float32, False), axis=-1) == batch[1])
+def _classifier(
+    name: str,
+    description: str,
+    params: Any,
+    logits: Callable[..., jax.Array],
+    data: Callable[[int, int], tuple[jax.Array, jax.Array]],
+    batch: int,
+    segments: tuple[str, ...],
+) -> Workload:
+    """A classification workload: cross-entropy of ``logits(params, inputs,
+    dtype, marked)`` against the labels of ``data(seed, n)``; training batch
+    ``k`` from seed ``1000 + k``, two held-out batches from seeds 0 and 1."""
 
-    return accuracy
+    def loss_fn(params, batch, dtype=jnp.float16, marked=True):
+        return _cross_entropy(logits(params, batch[0], dtype, marked), batch[1])
+
+    def accuracy(params, batch):
+        return jnp.mean(jnp.argmax(logits(params, batch[0], jnp.float32, False), axis=-1) == batch[1])
+
+    return Workload(
+        name,
+        description,
+        params,
+        loss_fn,
+        lambda step: data(1000 + step, batch),
+        [data(k, batch) for k in range(2)],
+        segments,
+        accuracy,
+    )
 
 
 # -- deep sigmoid MLP ---------------------------------------------------------
@@ -136,23 +160,25 @@ def deep_mlp(quick: bool) -> Workload:
                 h = ls.segment(h, f"layers{k:02d}")
         return _apply(params["head"], h, dtype)
 
-    def loss_fn(params, batch, dtype=jnp.float16, marked=True):
-        return _cross_entropy(logits(params, batch[0], dtype, marked), batch[1])
-
-    return Workload(
+    return _classifier(
         "deep sigmoid MLP",
         f"{depth} sigmoid layers of width {width}, no normalisation, {classes} classes from a random teacher, "
         f"batch {batch}",
         params,
-        loss_fn,
-        lambda step: data(1000 + step, batch),
-        [data(k, batch) for k in range(2)],
+        logits,
+        data,
+        batch,
         segments,
-        _accuracy_of(logits),
     )
 
 
 # -- char RNN -----------------------------------------------------------------
+
+
+def _ascii_bytes(path: pathlib.Path) -> np.ndarray:
+    """The ASCII bytes of a file, as uint8 (other bytes dropped)."""
+    data = np.frombuffer(path.read_bytes(), np.uint8)
+    return data[data < 128]
 
 
 def stdlib_bytes(limit: int) -> np.ndarray:
@@ -160,8 +186,7 @@ def stdlib_bytes(limit: int) -> np.ndarray:
     (sorted top-level modules), at most ``limit`` of them."""
     chunks, size = [], 0
     for path in sorted(pathlib.Path(sysconfig.get_path("stdlib")).glob("*.py")):
-        data = np.frombuffer(path.read_bytes(), np.uint8)
-        data = data[data < 128]
+        data = _ascii_bytes(path)
         chunks.append(data)
         size += data.size
         if size >= limit:
@@ -213,19 +238,15 @@ def char_rnn(quick: bool) -> Workload:
             h, _ = jax.lax.scan(step, h, per_chunk[c])
         return _apply(params["head"], h, dtype)
 
-    def loss_fn(params, batch, dtype=jnp.float16, marked=True):
-        return _cross_entropy(logits(params, batch[0], dtype, marked), batch[1])
-
-    return Workload(
+    return _classifier(
         f"char RNN, {length} steps",
         f"tanh RNN, hidden {hidden}, {length} bytes of stdlib source -> the next byte (loss on the last step), "
         f"{chunks} chunks of {steps} steps (a boundary each), batch {batch}",
         params,
-        loss_fn,
-        lambda step: data(1000 + step, batch),
-        [data(k, batch) for k in range(2)],
+        logits,
+        data,
+        batch,
         segments,
-        _accuracy_of(logits),
     )
 
 
@@ -237,10 +258,7 @@ MODULES = ("argparse", "json/decoder", "typing", "collections/__init__")
 def bag_of_bytes(quick: bool) -> Workload:
     length, dim, batch = (64, 16, 16) if quick else (8192, 32, 16)
     stdlib = pathlib.Path(sysconfig.get_path("stdlib"))
-    texts = []
-    for module in MODULES:
-        data = np.frombuffer((stdlib / f"{module}.py").read_bytes(), np.uint8)
-        texts.append(data[data < 128])
+    texts = [_ascii_bytes(stdlib / f"{module}.py") for module in MODULES]
     rng = np.random.default_rng(0)
     # muP-style: a large embedding initialisation under a small input multiplier.
     init_std, input_multiplier = 2.0**13, 2.0**-24
@@ -268,19 +286,15 @@ def bag_of_bytes(quick: bool) -> Workload:
         h = jnp.tanh(_apply(params["hidden"], pooled * jnp.asarray(2.0**10, dtype), dtype))
         return _apply(params["out"], h, dtype)
 
-    def loss_fn(params, batch, dtype=jnp.float16, marked=True):
-        return _cross_entropy(logits(params, batch[0], dtype, marked), batch[1])
-
-    return Workload(
+    return _classifier(
         "bag-of-bytes classifier",
         f"which of {len(MODULES)} stdlib modules a {length}-byte snippet comes from: byte embeddings (dim {dim}, "
         f"init std 2**13) x 2**-24, averaged, under a 2-layer head, batch {batch}",
         params,
-        loss_fn,
-        lambda step: data(1000 + step, batch),
-        [data(k, batch) for k in range(2)],
+        logits,
+        data,
+        batch,
         ("embed",),
-        _accuracy_of(logits),
     )
 
 
@@ -295,18 +309,11 @@ def make_run(name: str, workload: Workload) -> tuple[optax.GradientTransformatio
     (params, state, loss)`` of a run."""
     adam = optax.adam(LEARNING_RATE)
     loss_fn = workload.loss_fn
-    if name == "float32":
+    if name in ("float32", "float16 unscaled"):
+        dtype = jnp.float32 if name == "float32" else jnp.float16
 
         def step(params, state, batch):
-            loss, grads = jax.value_and_grad(lambda p: loss_fn(p, batch, jnp.float32, False))(params)
-            updates, state = adam.update(grads, state, params)
-            return optax.apply_updates(params, updates), state, loss
-
-        return adam, jax.jit(step, donate_argnums=(0, 1))
-    if name == "float16 unscaled":
-
-        def step(params, state, batch):
-            loss, grads = jax.value_and_grad(lambda p: loss_fn(p, batch, jnp.float16, False))(params)
+            loss, grads = jax.value_and_grad(lambda p: loss_fn(p, batch, dtype, False))(params)
             updates, state = adam.update(grads, state, params)
             return optax.apply_updates(params, updates), state, loss
 
