@@ -208,7 +208,46 @@ def test_predictive_benchmark_simulates_the_runs_the_tests_simulate():
         assert_trees_bitwise(*runs)
 
 
-@pytest.mark.parametrize("name", ["overhead", "compile_time", "predictive", "speedup"])
+def test_segments_benchmark_quick_trains_every_run(capsys):
+    module = load("segments")
+    output = module.main(["--quick", "--workloads", "bag", "--steps", "6", "--rounds", "1"])
+    [result] = output["results"]
+    assert result["workload"] == "bag-of-bytes classifier" and result["steps"] == 6
+    assert set(result["runs"]) == set(module.RUNS)
+    for run in result["runs"].values():
+        assert run["nonfinite_losses"] == 0 and math.isfinite(run["final_loss"])
+    # Unscaled float16 flushes the embedding's tiny cotangents (51% of them at the end).
+    assert result["runs"]["float16 unscaled"]["worst_flushed"] > 0.1
+    assert set(result["runs"]["per-segment"]["exponents"]) == {"embed"}
+    [runs] = printed_tables(capsys.readouterr().out)
+    assert [r["run"] for r in runs] == list(module.RUNS)
+
+
+def test_segments_benchmark_workloads_declare_their_boundaries():
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import loss_scale as ls
+
+    module = load("segments")
+    for make in module.WORKLOADS.values():
+        workload = make(True)
+        batch = workload.batches(0)
+        # A boundary is the identity forward.
+        marked, unmarked = (float(workload.loss_fn(workload.params, batch, jnp.float32, m)) for m in (True, False))
+        assert marked == unmarked, workload.name
+        # Every boundary in the model is declared (an undeclared one is an error), and each is measured.
+        state = ls.predictive(optax.sgd(0.0), initial_scale=1.0, segments=workload.segments).init(workload.params)
+        _, _, peaks = ls.value_grad_and_peak(workload.loss_fn, every=1)(state, workload.params, batch)
+        assert peaks.names == tuple(sorted(workload.segments)), workload.name
+        assert bool(jnp.all(jnp.isfinite(peaks.peak))), workload.name
+        assert len(workload.eval_batches) == 2 and not jax.tree.all(
+            jax.tree.map(lambda a, b: bool(jnp.array_equal(a, b)), workload.batches(0), workload.batches(1))
+        )
+
+
+@pytest.mark.parametrize("name", ["overhead", "compile_time", "predictive", "segments", "speedup"])
 def test_every_script_documents_its_flags_and_defaults(name, capsys):
     with pytest.raises(SystemExit) as exit_info:
         load(name).main(["--help"])
