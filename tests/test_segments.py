@@ -236,6 +236,27 @@ def test_a_float16_parameter_used_in_two_segments_is_refused():
         ls.value_and_grad(loss_fn)(state, params)
 
 
+def test_a_float16_parameter_of_the_loss_segment_is_measured_in_the_loss_part():
+    # The head's float16 gradient is the loss part's largest cotangent
+    # (h is large, the head small), and its first row is exactly 0 (h's
+    # first column is): both count in the loss part's statistics.
+    def loss_fn(p, x):
+        h = ls.segment(x.astype(jnp.float16) @ p["embed"].astype(jnp.float16), "embed")
+        return jnp.sum((h @ p["head"]).astype(jnp.float32))
+
+    embed = np.full((4, 3), 25.0, np.float32)
+    embed[:, 0] = 0.0
+    params = {"embed": jnp.asarray(embed), "head": jnp.full((3, 2), 2.0**-4, jnp.float16)}
+    x = jnp.ones((5, 4))
+    state = ls.predictive(optax.sgd(0.1), initial_scale=1.0, segments=("embed",)).init(params)
+    _, grads, peaks = ls.value_grad_and_peak(loss_fn, every=1)(state, params, x)
+    assert grads["head"].dtype == jnp.float16
+    loss_part = peaks.keys.index((0,))
+    assert float(peaks.peak[loss_part]) == float(jnp.max(jnp.abs(grads["head"]))) == 500.0
+    assert float(peaks.zeros[loss_part]) == 2.0  # the head gradient's first row
+    assert float(peaks.count[loss_part]) >= grads["head"].size
+
+
 def test_a_float32_parameter_used_in_two_segments_gets_its_gradient_at_one_scale():
     def loss_fn(p, dtype=jnp.float16, marked=True):
         w = p["w"].astype(dtype)
