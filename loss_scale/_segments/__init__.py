@@ -21,11 +21,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loss_scale._check import largest_magnitude
 from loss_scale._rules.segmented import SegmentCounters, SegmentPeaks
 from loss_scale._segments.analysis import Analyser, SegmentError, has_marker
 from loss_scale._segments.evaluate import STATS, Evaluator, new_probes
-from loss_scale._segments.marker import segment
+from loss_scale._segments.marker import cotangent_stats, segment
 from loss_scale._sharding import axis_names, varying_axes
 from loss_scale._signatures import over_leaves
 from loss_scale._state import LossScaleState
@@ -146,10 +145,10 @@ class Segmented:
             np.add.at(count, index, site.size)
         for g in grads:
             if hasattr(g, "dtype") and g.dtype == self.compute_dtype:
-                magnitude = jnp.abs(g)
-                peak = peak.at[0].max(largest_magnitude(g))
-                zeros = zeros.at[0].add(jnp.sum(magnitude == 0, dtype=jnp.float32))
-                below = below.at[0].add(jnp.sum(magnitude < jnp.finfo(g.dtype).tiny, dtype=jnp.float32))
+                g_peak, g_zeros, g_below = cotangent_stats(g)
+                peak = peak.at[0].max(g_peak)
+                zeros = zeros.at[0].add(g_zeros)
+                below = below.at[0].add(g_below)
                 count[0] += g.size
         count = jnp.asarray(count)
         axes = set(varying_axes(jax.typeof(peak)))

@@ -153,20 +153,27 @@ def _probed_fwd(x, probe):
 
 
 def _probed_bwd(_, ct):
-    # One reduction for all four (a kernel per probe, not four): the peak and
-    # the finite flag as peak_and_finite computes them, and the two counts.
     ct = jax.lax.stop_gradient(ct)
-    magnitude = jnp.abs(ct)
-    tiny = jnp.finfo(ct.dtype).tiny
+    return ct, cotangent_stats(ct)
+
+
+def cotangent_stats(x: jax.Array) -> jax.Array:
+    """float32[3]: the largest magnitude of ``x`` (inf when an element is
+    not finite), how many elements are exactly 0, and how many are below the
+    smallest normal of ``x``'s dtype. One reduction for all of them (a
+    kernel, not four): the peak and the finite flag as ``peak_and_finite``
+    computes them, and the two counts."""
+    magnitude = jnp.abs(x)
+    tiny = jnp.finfo(x.dtype).tiny
     operands = (
         magnitude.astype(jnp.float32),
-        jnp.isfinite(ct),
+        jnp.isfinite(x),
         (magnitude == 0).astype(jnp.float32),
         (magnitude < tiny).astype(jnp.float32),
     )
     init = (jnp.float32(0), jnp.array(True), jnp.float32(0), jnp.float32(0))
-    peak, finite, zeros, below = jax.lax.reduce(operands, init, _stats_of, tuple(range(ct.ndim)))
-    return ct, jnp.stack([jnp.where(finite, peak, jnp.inf), zeros, below])
+    peak, finite, zeros, below = jax.lax.reduce(operands, init, _stats_of, tuple(range(x.ndim)))
+    return jnp.stack([jnp.where(finite, peak, jnp.inf), zeros, below])
 
 
 def _stats_of(a, b):
