@@ -31,7 +31,7 @@ import numpy as np
 from loss_scale import _validate as validate
 from loss_scale._check import largest_magnitude, peak_and_finite
 from loss_scale._probe import Evaluator, is_probed, on_paths
-from loss_scale._rules.segmented import _owners
+from loss_scale._rules.segmented import segment_owners
 from loss_scale._segments import Segmented
 from loss_scale._segments.analysis import Analyser, all_potentials
 from loss_scale._segments.evaluate import new_probes
@@ -435,7 +435,7 @@ def _segment_labels(closed, differentiated, exponents, paths, n_arguments) -> li
     plan = Analyser(names).analyse(closed, differentiated)
     found = all_potentials(plan)
     keys = sorted({found[v] for v in paths.variables if v in found} | {(0,) * len(names)})
-    owners = dict(zip(keys, _owners(np.asarray(keys, np.int32).reshape(len(keys), len(names))), strict=True))
+    owners = dict(zip(keys, segment_owners(np.asarray(keys, np.int32).reshape(len(keys), len(names))), strict=True))
     labels = [LOSS_SEGMENT] * n_arguments
     for variable, probed in zip(paths.variables, paths.probed, strict=True):
         if probed:
@@ -477,8 +477,8 @@ def _segment_rows(loss_of, arrays, differentiated, exponents, scale, dtype) -> l
 
     peaks = jax.device_get(measure(leaves))
     names = segmented.names
-    keys = np.asarray(peaks.keys, np.int32).reshape(len(peaks.keys), len(names))
-    owners = _owners(keys)
+    keys = peaks.key_matrix
+    owners = segment_owners(keys)
     rows = []
     for s, name in enumerate((LOSS_SEGMENT, *names)):
         parts = np.flatnonzero(owners == s)

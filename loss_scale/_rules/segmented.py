@@ -108,6 +108,11 @@ class SegmentPeaks:
     def tree_unflatten(cls, aux, children):
         return cls(*aux, *children)
 
+    @property
+    def key_matrix(self) -> np.ndarray:
+        """``keys`` as an int32[K, len(names)] array."""
+        return np.asarray(self.keys, np.int32).reshape(len(self.keys), len(self.names))
+
     def __repr__(self) -> str:
         return f"SegmentPeaks(keys={self.keys}, names={self.names}, peak={self.peak!r})"
 
@@ -351,11 +356,12 @@ class SegmentedRule(PredictiveRule):
         """``table`` with the exponent of the boundary nearest to the loss
         among those whose parts measured a non-finite peak lowered by
         ``OVERFLOW_BACKOFF`` (the parts below it saw the same inf)."""
-        keys = np.asarray(peaks.keys, np.int32).reshape(len(peaks.keys), len(self.segments))
-        order = [m for m in _order(keys) if _parts_decided_by(keys, m).size]
+        keys = peaks.key_matrix
+        owner = segment_owners(keys)
+        order = [m for m in _order(keys) if np.any(owner == m + 1)]
         if not order:
             return table
-        bad = jnp.stack([~jnp.all(jnp.isfinite(peaks.peak[_parts_decided_by(keys, m)])) for m in order])
+        bad = jnp.stack([~jnp.all(jnp.isfinite(peaks.peak[owner == m + 1])) for m in order])
         first = jnp.asarray(order)[jnp.argmax(bad)]
         lowered = jnp.maximum(table.exponent[first] - OVERFLOW_BACKOFF, -MAX_EXPONENT)
         exponent = jnp.where(jnp.any(bad), table.exponent.at[first].set(lowered), table.exponent)
@@ -377,7 +383,7 @@ class SegmentedRule(PredictiveRule):
 
     def _powers(self, peaks: SegmentPeaks, counters: SegmentCounters) -> jax.Array:
         """Each part's exponent over the global scale, ``keys @ e``, int32[K]."""
-        keys = np.asarray(peaks.keys, np.int32).reshape(len(peaks.keys), len(self.segments))
+        keys = peaks.key_matrix
         if not self.segments:
             return jnp.zeros((len(keys),), jnp.int32)
         return jnp.asarray(keys) @ counters.segments.exponent
@@ -387,16 +393,19 @@ class SegmentedRule(PredictiveRule):
     ) -> SegmentTable:
         """The exponents and statistics after a step that measured the parts
         ``measured``."""
-        keys = np.asarray(peaks.keys, np.int32).reshape(len(peaks.keys), len(self.segments))
+        keys = peaks.key_matrix
         old = counters.segments.exponent if self.segments else None
         unscaled = self._unscaled(peaks, counters, scale)
         margin = self.min_headroom + moved.counters.extra_headroom
         target = jnp.where(measured, self._room(unscaled) - margin, 0)
+        # Each part belongs to the deepest boundary it crosses (the loss's
+        # segment, index 0, for none): that boundary's exponent decides it.
+        owner = segment_owners(keys)
         new = old
         if old is not None:
             a = _ceil_log2(moved.scale)
             for m in _order(keys):
-                mine = _parts_decided_by(keys, m)
+                mine = np.flatnonzero(owner == m + 1)
                 if not mine.size:
                     continue
                 c = keys[mine]
@@ -411,9 +420,7 @@ class SegmentedRule(PredictiveRule):
                 climb = jnp.where(starved, STARVED_CLIMB, CLIMB)
                 chosen = jnp.clip(jnp.minimum(jnp.min(best), old[m] + climb), -MAX_EXPONENT, MAX_EXPONENT)
                 new = new.at[m].set(jnp.where(jnp.any(measured[mine]), chosen, new[m]).astype(jnp.int32))
-        # Statistics per named segment: each part belongs to the deepest
-        # boundary it crosses (the loss's segment, index 0, for none).
-        owner = _owners(keys)
+        # Statistics per named segment.
         table = counters.segments
         values = {"peak": [], "zero_fraction": [], "below_normal_fraction": []}
         for s in range(len(self.segments) + 1):
@@ -443,18 +450,7 @@ def _order(keys: np.ndarray) -> list[int]:
     return sorted(range(keys.shape[1]), key=lambda m: (depth[m], m))
 
 
-def _parts_decided_by(keys: np.ndarray, m: int) -> np.ndarray:
-    """The parts whose last boundary in ``_order`` is ``m``."""
-    rank = {b: r for r, b in enumerate(_order(keys))}
-    found = []
-    for k, key in enumerate(keys):
-        crossed = [b for b in range(len(key)) if key[b] > 0]
-        if crossed and max(crossed, key=lambda b: rank[b]) == m:
-            found.append(k)
-    return np.asarray(found, np.int64)
-
-
-def _owners(keys: np.ndarray) -> np.ndarray:
+def segment_owners(keys: np.ndarray) -> np.ndarray:
     """Each part's segment: 0 (the loss's) for no crossing, else 1 + the
     deepest boundary it crosses (last in ``_order``)."""
     if keys.shape[1] == 0:
