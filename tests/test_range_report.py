@@ -91,6 +91,18 @@ def test_max_safe_scale_equals_a_scan_over_powers_of_two(amplify):
     assert report.max_safe_scale == brute_force_max_safe(loss_fn, w, x)
 
 
+def test_zero_and_below_normal_fractions_count_each_element_by_its_dtype():
+    # The cotangent of the float16 cast is m itself: 3 zeros and 2 float16
+    # subnormals (normal in float32, where the argument's gradient is).
+    m = jnp.asarray(np.array([0, 0, 2**-20, 1, 2**-16, 3, 0, 1], np.float16))
+    report = ls.range_report(lambda w: jnp.sum((w.astype(jnp.float16) * m).astype(jnp.float32)), jnp.ones(8), scale=1.0)
+    by_kind = {(row.primitive, row.dtype): row for row in report.rows[:2]}
+    argument, cast = by_kind["argument", "float32"], by_kind["convert_element_type", "float16"]
+    assert report.scale == 1.0 and cast.backward_max == argument.backward_max == 3.0
+    assert (cast.backward_zero, cast.backward_below_normal) == (3 / 8, 5 / 8)
+    assert (argument.backward_zero, argument.backward_below_normal) == (3 / 8, 3 / 8)
+
+
 def test_each_cotangent_equals_jax_vjp_of_its_stage():
     s1, s2, s3 = stages(256.0)
     w, x = inputs(1)
