@@ -29,12 +29,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from loss_scale import _validate as validate
-from loss_scale._check import largest_magnitude, peak_and_finite
+from loss_scale._check import largest_magnitude
 from loss_scale._probe import Evaluator, is_probed, on_paths
 from loss_scale._rules.segmented import segment_owners
 from loss_scale._segments import Segmented
 from loss_scale._segments.analysis import Analyser, all_potentials
 from loss_scale._segments.evaluate import new_probes
+from loss_scale._segments.marker import cotangent_stats
 from loss_scale._types import LOSS_SEGMENT, PyTree
 from loss_scale._unscale import unscale_dtype as _at_least_float32
 from loss_scale._validate import floating_dtype
@@ -354,17 +355,8 @@ def range_report(
         cotangents = list(grads[1]) + list(grads[0])
         stats = []
         for ct in cotangents:
-            peak, finite = peak_and_finite(ct[None], tuple(range(1, ct.ndim + 1)))
-            tiny = jnp.finfo(ct.dtype).tiny
-            magnitude = jnp.abs(ct)
-            stats.append(
-                (
-                    jnp.where(finite[0], peak[0].astype(jnp.float32), jnp.inf),
-                    jnp.mean(magnitude == 0, dtype=jnp.float32),
-                    jnp.mean(magnitude < tiny, dtype=jnp.float32),
-                    finite[0],
-                )
-            )
+            peak, zeros, below = cotangent_stats(ct)
+            stats.append((peak, zeros / ct.size, below / ct.size, jnp.isfinite(peak)))
         return stats, [largest_magnitude(x) for x in diff] + forward
 
     def run(s: float):
