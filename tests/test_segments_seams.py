@@ -2,7 +2,7 @@
 boundaries under ``vmap``, ``jax.checkpoint``, ``lax.cond`` and inside
 jitted functions; a train step under ``vmap``, inside ``lax.scan`` and under
 ``shard_map``; flax linen and NNX modules, Equinox modules; checkpoints,
-``copy.deepcopy`` and differentiating through the update. Each is checked
+``copy.deepcopy``, callbacks and differentiating through the update. Each is checked
 against a float32 oracle of the same model, or a reference run."""
 
 import copy
@@ -327,6 +327,29 @@ def test_the_state_survives_an_orbax_checkpoint_and_resumes_bit_identically(tmp_
         a, b = step(*a, x), step(*b, x)
     for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         np.testing.assert_array_equal(u, v)
+
+
+def test_a_callback_in_the_loss_fires_once_a_step_with_the_forward_value():
+    seen = []
+
+    def loss_fn(params, x, dtype=jnp.float16, marked=True):
+        h = jnp.tanh(x.astype(dtype) @ params["embed"].astype(dtype))
+        jax.debug.callback(lambda v: seen.append(float(v)), jnp.max(h).astype(jnp.float32))
+        if marked:
+            h = ls.segment(h, "embed")
+        return dense_head(params, h, dtype)
+
+    params, x = params_and_batch()
+    tx = segmented("embed", inner=optax.sgd(0.1))
+    step = jax.jit(train_step(tx, loss_fn, every=2))  # measuring and plain steps in turn
+    state, expected = tx.init(params), []
+    for _ in range(3):
+        expected.append(float(jnp.max(jnp.tanh(x.astype(jnp.float16) @ params["embed"].astype(jnp.float16)))))
+        params, state = step(params, state, x)
+    jax.effects_barrier()
+    # Once a step; the value to float16 rounding (the step is another program).
+    assert len(seen) == 3
+    np.testing.assert_allclose(seen, expected, rtol=2**-10)
 
 
 def test_the_transformation_deep_copies_and_its_update_differentiates():
