@@ -21,7 +21,7 @@ from loss_scale._peak import value_grad_and_peak
 from loss_scale._precision import Policy, for_dtype
 from loss_scale._range_report import RangeReport, RangeRow, SegmentRow, range_report
 from loss_scale._rules.segmented import SegmentCounters, SegmentPeaks, SegmentTable
-from loss_scale._segments import segment
+from loss_scale._segments import SegmentError, segment
 from loss_scale._state import LossScaleState, SkipReason, StepRecord
 from loss_scale._update import LossScaleTransformation
 
@@ -35,6 +35,7 @@ __all__ = [
     "RangeReport",
     "RangeRow",
     "SegmentCounters",
+    "SegmentError",
     "SegmentPeaks",
     "SegmentRow",
     "SegmentTable",

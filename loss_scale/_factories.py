@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import optax
 
 from loss_scale import _validate as validate
-from loss_scale._options import Options, Unpack, settings_from, takes_options
+from loss_scale._options import Options, Unpack, checks_keywords, settings_from, takes_options
 from loss_scale._rules.dynamic import DynamicRule
 from loss_scale._rules.predictive import PredictiveRule
 from loss_scale._rules.segmented import SegmentedRule
@@ -131,6 +131,7 @@ def static(inner: optax.GradientTransformation, scale: float, **options: Unpack[
     return loss_scaled(inner, fixed(validate.scale("scale", scale)), settings_from("static", options))
 
 
+@checks_keywords
 def no_op(inner: optax.GradientTransformation, skip_nonfinite: bool = False) -> LossScaleTransformation:
     """No loss scaling (scale 1), with the same state as ``dynamic``.
 

@@ -43,10 +43,20 @@ def wrap_opt_state(
     moments and step count (and the learning-rate schedule that reads it)
     carry on, while the scale and its counters start fresh.
 
+    For changing the loss-scaling rule or its options when resuming (a
+    checkpoint of ``ls.dynamic(adam)`` continued under
+    ``ls.predictive(adam)``), pass the restored ``LossScaleState`` itself:
+    its ``inner_state`` is kept bit for bit, and ``tx``'s rule starts as
+    ``tx.init`` starts it (its scale, counters and record; the old rule's
+    are dropped, since another rule's counters mean something else).
+    Restore the checkpoint with the old transformation's ``init`` as the
+    target first (a checkpointer cannot restore it into ``tx``'s layout).
+
     Args:
       tx: the loss-scaling transformation, e.g. ``ls.dynamic(optax.adam(lr))``
         wrapping the same optimizer that produced ``inner_opt_state``.
-      inner_opt_state: the plain optimizer's state.
+      inner_opt_state: the plain optimizer's state, or a ``LossScaleState``
+        (of any rule and options) whose ``inner_state`` is kept.
       params: the parameters (only their structure and shapes are used).
 
     Returns:
@@ -64,7 +74,12 @@ def wrap_opt_state(
       >>> state = ls.wrap_opt_state(ls.dynamic(optax.adam(1e-3)), old, params)
       >>> int(state.inner_state[0].count), float(state.scale)
       (0, 32768.0)
+      >>> moved = ls.wrap_opt_state(ls.predictive(optax.adam(1e-3)), state, params)  # another rule
+      >>> type(moved.counters).__name__, moved.inner_state is state.inner_state
+      ('PredictiveCounters', True)
     """
+    if isinstance(inner_opt_state, LossScaleState):
+        inner_opt_state = inner_opt_state.inner_state
     fresh = _fresh(tx, params)
     difference = first_difference(inner_opt_state, fresh.inner_state)
     if difference is not None:
@@ -83,7 +98,14 @@ def migrate_state(saved: Any, tx: optax.GradientTransformation, params: optax.Pa
     or its 13 fields in order (a tuple or list). Every value is kept: the
     scale, the rule's counters, the counts, the statistics and the inner
     state, which is laid out as ``tx``'s own (``params`` gives its
-    structure). A state already in this version's layout is returned as it is.
+    structure).
+
+    A state already in this version's layout is returned as it is (a
+    ``LossScaleState`` that ``tx`` made), or laid out as ``tx``'s (its
+    fields by name, restored without a target). One that ``tx`` did not make
+    (another rule, other options) is refused with the way to resume it
+    under ``tx``: ``ls.wrap_opt_state(tx, old_state, params)`` keeps its
+    inner state and starts ``tx``'s rule afresh.
 
     Args:
       saved: the 0.2.0 state, as restored.
@@ -96,7 +118,8 @@ def migrate_state(saved: Any, tx: optax.GradientTransformation, params: optax.Pa
 
     Raises:
       ValueError: when ``saved`` misses a field ``tx``'s state has, or a leaf
-        has another shape (the message names it).
+        has another shape (the message names it), or is a state of this
+        version that ``tx`` did not make.
 
     Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
@@ -117,8 +140,21 @@ def migrate_state(saved: Any, tx: optax.GradientTransformation, params: optax.Pa
     if isinstance(saved, LossScaleState):
         difference = first_difference(saved, fresh)
         if difference is not None:
-            raise ValueError(f"the state is in this version's layout but not tx's, {difference}")
+            raise _already_current(f"but tx did not make it, {difference}")
         return saved
+    if isinstance(saved, Mapping) and set(LossScaleState._fields) <= set(saved):
+        try:
+            state = LossScaleState(*(_like(saved[name], getattr(fresh, name), f".{name}") for name in fresh._fields))
+        except ValueError as error:
+            raise _already_current(f"but not tx's: {error}") from None
+        # Every saved leaf must have found its place: one left over is a
+        # counter or statistic of a rule or option that tx does not have.
+        kept = {_names(path) for path, _ in jax.tree_util.tree_flatten_with_path(state)[0]}
+        for path, _ in jax.tree_util.tree_flatten_with_path({n: saved[n] for n in fresh._fields})[0]:
+            if _names(path) not in kept:
+                where = "".join(f"[{name}]" if name.isdigit() else f".{name}" for name in _names(path))
+                raise _already_current(f"but not tx's: it holds {where}, which tx's state does not keep")
+        return state
     fields = _fields_by_name(saved)
     missing = [name for name in _FIELDS_0_2_0 if name != "stats" and name not in fields]
     if missing:
@@ -136,6 +172,25 @@ def migrate_state(saved: Any, tx: optax.GradientTransformation, params: optax.Pa
         record=_like(record_values, fresh.record, ".record"),
         inner_state=_like(fields["inner_state"], fresh.inner_state, ".inner_state"),
     )
+
+
+def _already_current(detail: str) -> ValueError:
+    """The error for a state that is already in this version's layout but
+    that ``tx`` did not make: say how to resume it under ``tx``."""
+    return ValueError(
+        f"the saved state is already in this version's layout ({', '.join(LossScaleState._fields)}), {detail}. "
+        "migrate_state converts states saved by loss_scale 0.2.0; this one needs no conversion. To resume it "
+        "under another rule or other options (a ls.dynamic state under ls.predictive), restore it with the old "
+        "transformation's init as the target, then keep its inner state and start tx's rule: "
+        "ls.wrap_opt_state(tx, restored_state, params). To resume it as it was, build tx as it was when the "
+        "state was saved."
+    )
+
+
+def _names(path: tuple) -> tuple[str, ...]:
+    """A tree path as the names of its steps (a field, a key, an index as a
+    string), so that a NamedTuple's path and a restored mapping's compare."""
+    return tuple(str(getattr(e, "name", getattr(e, "key", getattr(e, "idx", e)))) for e in path)
 
 
 def _fresh(tx: optax.GradientTransformation, params: optax.Params) -> LossScaleState:
@@ -192,6 +247,8 @@ def _leaf(value: Any, want: Any, where: str) -> jax.Array:
     leaves must have their dtype already (a cast could lose values); the
     loss-scale state's own scalars are cast (a checkpointer may restore an
     int32 count as int64)."""
+    if value is None:  # a statistic the saving transformation did not track
+        raise ValueError(f"the saved state has nothing at {where}, which this transformation's state keeps")
     value = jnp.asarray(value)
     exact = where.startswith(".inner_state")
     if value.shape != want.shape or (exact and value.dtype != want.dtype):

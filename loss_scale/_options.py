@@ -6,17 +6,24 @@ default, its check and its documentation. ``dynamic``, ``predictive``,
 ``takes_options`` gives each of those functions the full signature (for
 ``help`` and ``inspect``) and the options' documentation, and
 ``settings_from`` validates what a caller passed.
+
+A keyword that no factory takes gets a ``TypeError`` that says what to write
+instead (``unexpected_keyword``): another library's name for a setting
+(``init_scale``, torch's) names this library's argument and the preset that
+takes the peer's names; a close misspelling names the closest argument.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import difflib
+import functools
 import inspect
 import sys
 import textwrap
 import types
-from collections.abc import Callable, Hashable, Mapping
-from typing import Annotated, Any, TypedDict, get_type_hints
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from typing import Annotated, Any, TypedDict, TypeVar, cast, get_type_hints
 
 from loss_scale import _validate as validate
 from loss_scale._settings import Settings
@@ -26,7 +33,18 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     from typing_extensions import Unpack
 
-__all__ = ["OPTIONS", "Option", "Options", "Unpack", "settings_from", "takes_options"]
+__all__ = [
+    "OPTIONS",
+    "PEER_NAMES",
+    "Option",
+    "Options",
+    "Unpack",
+    "accepted_keywords",
+    "checks_keywords",
+    "settings_from",
+    "takes_options",
+    "unexpected_keyword",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,11 +159,13 @@ def settings_from(
 ) -> Settings:
     """The validated ``Settings`` of the options a caller of ``function``
     passed; unknown names (and ``exclude``'d ones) raise the ``TypeError``
-    Python raises for an unexpected keyword argument. ``overrides`` sets
-    options the function takes under names of its own (validated by it)."""
+    Python raises for an unexpected keyword argument, with what to write
+    instead (``unexpected_keyword``). ``overrides`` sets options the
+    function takes under names of its own (validated by it)."""
     for name in given:
         if name not in OPTIONS or name in exclude:
-            raise TypeError(f"{function}() got an unexpected keyword argument {name!r}")
+            accepted = _ACCEPTED.get(function, tuple(n for n in OPTIONS if n not in exclude))
+            raise unexpected_keyword(function, name, accepted)
     values = {name: option.check(name, given.get(name, option.default)) for name, option in OPTIONS.items()}
     values.update(overrides)
     if not check_finite:
@@ -193,6 +213,7 @@ def takes_options(exclude: tuple[str, ...] = ()) -> Callable:
                 )
         function.__signature__ = signature.replace(parameters=parameters)
         function.__doc__ = _with_options_documented(function.__doc__ or "", exclude)
+        _register(function, [p.name for p in parameters])
         return function
 
     return decorate
@@ -211,3 +232,147 @@ def _with_options_documented(doc: str, exclude: tuple[str, ...]) -> str:
             entries = textwrap.indent(options_doc(exclude), indent).splitlines()
             return "\n".join(lines[:i] + entries + lines[end:])
     raise ValueError("a function that takes options documents them with a '**options:' entry in its Args")
+
+
+# The keyword arguments each factory and preset takes, by the name its
+# errors give it (``"dynamic"``, ``"torch"``), and how the public API spells
+# it (``ls.dynamic``, ``ls.presets.torch``): for the suggestions of
+# ``unexpected_keyword``. Filled in as the functions are defined.
+_ACCEPTED: dict[str, tuple[str, ...]] = {}
+_PUBLIC: dict[str, str] = {}
+
+
+def _register(function: Callable, names: list[str]) -> None:
+    _ACCEPTED[function.__name__] = tuple(names)
+    package = "ls.presets" if function.__module__.startswith("loss_scale.presets") else "ls"
+    _PUBLIC[function.__name__] = f"{package}.{function.__name__}"
+
+
+def accepted_keywords(function: str) -> tuple[str, ...]:
+    """The keyword arguments of the registered factory ``function``."""
+    return _ACCEPTED[function]
+
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def checks_keywords(function: F) -> F:
+    """Decorates a factory without ``**options`` (``no_op``): an unknown
+    keyword gets ``unexpected_keyword``'s explanation instead of Python's
+    bare ``TypeError``. The signature, name and docstring are kept."""
+    names = list(inspect.signature(function).parameters)
+    _register(function, names)
+
+    @functools.wraps(function)
+    def checked(*args: Any, **kwargs: Any) -> Any:
+        for name in kwargs:
+            if name not in names:
+                raise unexpected_keyword(function.__name__, name, names)
+        return function(*args, **kwargs)
+
+    return cast(F, checked)
+
+
+# Other libraries' names for their loss scalers' settings, as the presets
+# (``loss_scale.presets``) take them, and where each setting goes here:
+# ``{name: ((presets, this library's argument or None, how to write it), ...)}``,
+# one entry per meaning (jmp's ``loss_scale`` is an initial scale, Apex's,
+# DeepSpeed's and Megatron's a fixed one). The argument is ``ls.dynamic``'s
+# (or an option); ``None`` where the setting has no argument here, and the
+# text then says what to use instead. ``tests/test_validate.py`` checks it
+# against the presets' signatures.
+PEER_NAMES: Mapping[str, tuple[tuple[tuple[str, ...], str | None, str], ...]] = types.MappingProxyType(
+    {
+        "init_scale": ((("torch", "apex"), "initial_scale", "initial_scale=..."),),
+        "enabled": ((("torch",), None, "enabled=False (no loss scaling) is ls.no_op(inner)"),),
+        "dynamic_growth_steps": ((("keras", "tf_keras"), "growth_interval", "growth_interval=..."),),
+        "dynamic": ((("tf_keras",), None, "dynamic=False (a fixed scale) is ls.static(inner, scale=...)"),),
+        "initial_scale_power": ((("deepspeed",), "initial_scale", "initial_scale=2.0**initial_scale_power"),),
+        "loss_scale_window": ((("deepspeed", "megatron"), "growth_interval", "growth_interval=..."),),
+        "initial_loss_scale": ((("megatron", "cerebras"), "initial_scale", "initial_scale=..."),),
+        "min_loss_scale": ((("deepspeed", "megatron", "apex", "jmp", "cerebras"), "min_scale", "min_scale=..."),),
+        "max_loss_scale": ((("apex", "cerebras"), "max_scale", "max_scale=..."),),
+        "loss_scale": (
+            (("jmp",), "initial_scale", "initial_scale=..."),
+            (("deepspeed", "megatron", "apex"), None, "a fixed loss_scale is ls.static(inner, scale=...)"),
+        ),
+        "scale_window": ((("apex",), "growth_interval", "growth_interval=..."),),
+        "scale": ((("flax",), "initial_scale", "initial_scale=..."),),
+        "minimum_scale": ((("flax",), "min_scale", "min_scale=..."),),
+        "period": ((("jmp",), "growth_interval", "growth_interval=..."),),
+        "factor": ((("jmp",), "growth_factor", "growth_factor=factor, backoff_factor=1/factor"),),
+        "steps_per_increase": ((("cerebras",), "growth_interval", "growth_interval=..."),),
+        "overflow_tolerance": (
+            (
+                ("cerebras",),
+                None,
+                "ls.dynamic has no counterpart (it backs off on every overflow, or on every hysteresis-th)",
+            ),
+        ),
+        "max_gradient_norm": ((("cerebras",), "max_grad_norm", "max_grad_norm=..."),),
+    }
+)
+
+# The peers, as the messages name them.
+_PEERS = {
+    "torch": "torch's GradScaler",
+    "keras": "Keras",
+    "tf_keras": "tf-keras",
+    "deepspeed": "DeepSpeed",
+    "megatron": "Megatron-LM",
+    "apex": "Apex",
+    "flax": "flax's DynamicScale",
+    "jmp": "jmp",
+    "cerebras": "Cerebras",
+}
+
+
+def _join(words: list[str], last: str = "and") -> str:
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} {last} {words[-1]}"
+
+
+def unexpected_keyword(function: str, name: str, accepted: Iterable[str]) -> TypeError:
+    """The ``TypeError`` for a keyword ``name`` that ``function`` (as its
+    errors call it: ``"dynamic"``, ``"torch"``) does not take, ``accepted``
+    being the keywords it does take. It starts as Python's own message and
+    goes on to say what to write instead: for another library's name, this
+    library's argument and the presets that take that name; for another
+    factory's argument, which factory takes it; for a close misspelling,
+    the closest accepted name."""
+    accepted = tuple(accepted)
+    message = f"{function}() got an unexpected keyword argument {name!r}"
+    hints = []
+    # Once the message says which accepted argument to write, a guessed
+    # spelling would only compete with it.
+    guess = True
+    meanings = PEER_NAMES.get(name, ())
+    if meanings:
+        peers = [peer for presets, _, _ in meanings for peer in presets]
+        hints.append(f"{name} is a name from {_join([_PEERS[p] for p in peers])}")
+        for presets, argument, spelling in meanings:
+            if argument is None:
+                fix = spelling
+            elif argument in accepted:
+                guess = False
+                fix = f"{function}() takes it as {spelling}"
+            else:
+                fix = f"ls.dynamic takes it as {spelling}"
+            if len(meanings) > 1:
+                fix = f"for {_join([_PEERS[p] for p in presets])}, {fix}"
+            hints.append(fix)
+        presets = [f"ls.presets.{p}" for p in peers]
+        takes = "takes" if len(presets) == 1 else "take"
+        hints.append(f"or keep the peer's names and rule with {_join(presets, 'or')}, which {takes} {name}=")
+    others = [
+        public
+        for factory, public in _PUBLIC.items()
+        if factory != function and not public.startswith("ls.presets.") and name in _ACCEPTED[factory]
+    ]
+    if others:
+        hints.append(f"{name} is an argument of {_join(others)}")
+    close = difflib.get_close_matches(name, accepted, n=1) if guess else []
+    if close:
+        hints.append(f"did you mean {close[0]}?")
+    if hints:
+        message += ": " + "; ".join(hints)
+    return TypeError(message)

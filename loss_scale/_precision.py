@@ -30,7 +30,7 @@ import optax
 
 from loss_scale import _validate as validate
 from loss_scale._factories import dynamic, unscaled
-from loss_scale._options import OPTIONS
+from loss_scale._options import OPTIONS, accepted_keywords, unexpected_keyword
 from loss_scale._types import PyTree
 
 DTypeLike = Any
@@ -200,7 +200,7 @@ class Policy:
         """
         dtypes = (self.param_dtype, self.compute_dtype, self.output_dtype)
         narrowest = np.dtype(jnp.float16) if np.dtype(jnp.float16) in dtypes else self.compute_dtype
-        return for_dtype(inner, narrowest, skip_nonfinite=skip_nonfinite, **dynamic_kwargs)
+        return _for_dtype(inner, narrowest, skip_nonfinite, dynamic_kwargs, "Policy.loss_scaling")
 
 
 def for_dtype(
@@ -249,6 +249,22 @@ def for_dtype(
       1.0
       1.0
     """
+    return _for_dtype(inner, dtype, skip_nonfinite, dynamic_kwargs, "for_dtype")
+
+
+def _for_dtype(
+    inner: optax.GradientTransformation,
+    dtype: DTypeLike,
+    skip_nonfinite: bool,
+    dynamic_kwargs: dict[str, Any],
+    caller: str,
+) -> optax.GradientTransformationExtraArgs:
+    """``for_dtype``, whose errors for an unknown keyword name ``caller``
+    (the function the user called) rather than ``dynamic``."""
+    accepted = ("dtype", "skip_nonfinite", *(n for n in accepted_keywords("dynamic") if n != "inner"))
+    for name in dynamic_kwargs:
+        if name not in accepted:
+            raise unexpected_keyword(caller, name, accepted)
     dtype = _as_dtype(dtype, "dtype")
     scaled = dynamic(inner, **dynamic_kwargs)
     if dtype == np.dtype(jnp.float16):

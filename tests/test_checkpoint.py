@@ -144,3 +144,40 @@ def test_a_state_from_other_settings_gets_one_clear_error(tmp_path, saved_with, 
     # The predictive rule keeps counters the dynamic rule's state lacks.
     with pytest.raises(ValueError, match=r"the state keeps DynamicCounters, this rule PredictiveCounters"):
         ls.predictive(optax.adam(1e-3), **used_with).update(jax.tree.map(jnp.ones_like, params), restored, params)
+
+
+def test_a_dynamic_checkpoint_resumes_under_predictive_keeping_the_inner_state(tmp_path):
+    # Saved under TX (ls.dynamic around adamw), resumed under ls.predictive:
+    # restored with the old rule's init as the target, then wrapped.
+    params, opt_state = train(*init(), 0, 17)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", {"params": params, "opt_state": opt_state})
+    target = jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": TX.init(params)})
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(tmp_path / "ckpt", target)
+    new_tx = ls.predictive(optax.adamw(1e-2), initial_scale=2.0**6)
+    moved = ls.wrap_opt_state(new_tx, restored["opt_state"], restored["params"])
+    assert isinstance(moved.counters, type(new_tx.init(params).counters))
+    assert_trees_bitwise(moved.inner_state, opt_state.inner_state)
+    assert float(moved.scale) == 2.0**6 and int(moved.record.skipped_steps) == 0  # the new rule starts afresh
+    count = int(moved.inner_state[0].count)
+    assert count == 17 - int(opt_state.skipped_steps)
+
+    @jax.jit
+    def new_step(params, opt_state, grads):
+        grads = jax.tree.map(lambda g: g * ls.get_scale(opt_state).astype(g.dtype), grads)
+        updates, opt_state = new_tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    params = restored["params"]
+    for i in range(17, 21):
+        params, moved = new_step(params, moved, grads_for(i, params))
+    # Adam's count goes on from the saved one; step 18 overflows and is skipped.
+    assert int(moved.inner_state[0].count) == count + 3 and int(moved.record.skipped_steps) == 1
+    assert all(bool(jnp.all(jnp.isfinite(leaf))) for leaf in jax.tree.leaves(params))
+    # Restoring straight into the new rule's layout is what fails.
+    with pytest.raises(ValueError), ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.restore(
+            tmp_path / "ckpt",
+            jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": new_tx.init(params)}),
+        )

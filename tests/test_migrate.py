@@ -176,3 +176,51 @@ def test_wrap_opt_state_names_the_leaf_that_differs_and_both_types():
     plain = optax.adam(1e-3).init({"w": jnp.ones((3, 2))})
     with pytest.raises(ValueError, match=r"at \[0\]\.mu\['w'\]: float32\[3, 2\] here, float32\[2, 3\] expected"):
         ls.wrap_opt_state(tx, plain, params)
+
+
+def test_a_state_of_this_version_from_another_rule_says_how_to_change_the_rule(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    params = {"w": jnp.ones(3)}
+    saved = ls.dynamic(optax.adam(1e-3)).init(params)
+    tx = ls.predictive(optax.adam(1e-3))
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", saved)
+    with ocp.StandardCheckpointer() as checkpointer:
+        restored = checkpointer.restore(tmp_path / "ckpt")  # no target: its fields by name
+    for state, detail in [(saved, "at .counters.overflows_left"), (restored, "nothing at .counters.headroom")]:
+        with pytest.raises(ValueError) as error:
+            ls.migrate_state(state, tx, params)
+        message = str(error.value)
+        assert message.startswith("the saved state is already in this version's layout"), message
+        assert detail in message and "0.2.0" in message
+        assert "ls.wrap_opt_state(tx, restored_state, params)" in message
+        assert "old transformation's init as the target" in message
+    # Restored without a target, a state that tx made is laid out as tx's.
+    same = ls.dynamic(optax.adam(1e-3))
+    laid_out = ls.migrate_state(restored, same, params)
+    assert jax.tree.structure(laid_out) == jax.tree.structure(saved)
+    for a, b in zip(jax.tree.leaves(laid_out), jax.tree.leaves(saved), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # A statistic tx tracks and the saved state lacks, or one it does not track: refused.
+    with pytest.raises(ValueError, match=r"already in this version's layout.*nothing at \.record\.grad_norm"):
+        ls.migrate_state(restored, ls.dynamic(optax.adam(1e-3), track_grad_norm=True), params)
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "norm", ls.dynamic(optax.adam(1e-3), track_grad_norm=True).init(params))
+        with_norm = checkpointer.restore(tmp_path / "norm")
+    with pytest.raises(
+        ValueError, match=r"already in this version's layout.*holds \.record\.grad_norm, which tx's state does not keep"
+    ):
+        ls.migrate_state(with_norm, same, params)
+
+
+def test_wrap_opt_state_takes_a_state_of_another_rule_and_keeps_its_inner_state():
+    params = {"w": jnp.ones(3)}
+    old = ls.dynamic(optax.adam(1e-3), track_grad_norm=True)
+    state = old.init(params)
+    _, state = old.update({"w": jnp.full(3, 2.0**10)}, state, params)
+    moved = ls.wrap_opt_state(ls.predictive(optax.adam(1e-3)), state, params)
+    assert type(moved.counters).__name__ == "PredictiveCounters" and moved.record.grad_norm is None
+    assert moved.inner_state is state.inner_state and int(moved.inner_state[0].count) == 1
+    # Another inner optimizer is still refused, naming the leaf.
+    with pytest.raises(ValueError, match=r"is not the one the wrapped optimizer makes, at \[0\]"):
+        ls.wrap_opt_state(ls.predictive(optax.sgd(1e-3)), state, params)

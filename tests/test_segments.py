@@ -415,3 +415,65 @@ def test_an_overflow_on_a_step_that_did_not_measure_teaches_every_boundary():
     assert float(after.scale) < float(state.scale)  # the global scale backs off for the step
     assert int(after.counters.extra_headroom) == int(state.counters.extra_headroom)  # but learns nothing for good
     assert list(np.asarray(after.counters.segments.margin)) == [3, 3, 3]
+
+
+def residual_params() -> dict:
+    shapes = {"embed": (4, 8), "w1": (8, 8), "w2": (8, 8), "head": (8, 2)}
+    return {name: jnp.full(shape, 0.1) for name, shape in shapes.items()}
+
+
+def residual_loss(p, x, boundary="branch"):
+    """A float16 residual block ``h + f(h)`` with its boundary inside the
+    branch ``f`` (refused: ``h``'s two paths to the loss differ) or on the
+    residual stream after the addition."""
+    h = jnp.tanh(x.astype(jnp.float16) @ p["embed"].astype(jnp.float16))
+    branch = jnp.tanh(h @ p["w1"].astype(jnp.float16))
+    if boundary == "branch":
+        branch = ls.segment(branch, "block")
+    h = h + branch @ p["w2"].astype(jnp.float16)
+    if boundary == "stream":
+        h = ls.segment(h, "block")
+    return jnp.mean((h @ p["head"].astype(jnp.float16)).astype(jnp.float32) ** 2)
+
+
+def test_a_boundary_inside_a_residual_branch_says_to_put_it_on_the_residual_stream():
+    params, x = residual_params(), jnp.ones((3, 4))
+    state = ls.predictive(optax.sgd(0.1), segments=("block",)).init(params)
+    with pytest.raises(ls.SegmentError) as error:
+        ls.value_and_grad(residual_loss)(state, params, x)
+    message = str(error.value)
+    # The crossing value is the block's input, an activation: no advice about parameters.
+    assert message.startswith("an activation (a value the loss function computes, not a parameter) of dtype float16")
+    assert "(the loss's segment; block)" in message and "test_segments.py:" in message
+    assert "on the residual stream, after the residual addition" in message
+    assert "Keep parameters" not in message
+    # Where the message says, the boundary works.
+    loss, _ = ls.value_and_grad(lambda p, x: residual_loss(p, x, "stream"))(state, params, x)
+    assert np.isfinite(float(loss))
+
+
+def test_a_misspelt_boundary_is_reported_at_the_users_line_with_the_closest_name():
+    params = {"w": jnp.ones((2, 2))}
+    state = ls.predictive(optax.sgd(0.1), segments=("decoder", "encoder")).init(params)
+
+    def loss_fn(p):
+        return jnp.sum(ls.segment(jnp.tanh(p["w"]), "encodr"))  # the line the error points at
+
+    line = loss_fn.__code__.co_firstlineno + 1
+    for gradient in (ls.value_and_grad(loss_fn), jax.jit(ls.value_and_grad(loss_fn))):
+        with pytest.raises(ls.SegmentError) as error:
+            gradient(state, params)
+        message = str(error.value)
+        assert message.startswith(f"{__file__}:{line} (loss_fn): the loss function marks a boundary 'encodr'")
+        assert "Did you mean 'encoder'? Otherwise add 'encodr' to the segments" in message, message
+        assert "marker.py" not in message
+        # The traceback ends at the ls.segment call, not inside the library.
+        last = error.value.__traceback__
+        while last.tb_next is not None:
+            last = last.tb_next
+        assert (last.tb_frame.f_code.co_filename, last.tb_lineno) == (__file__, line)
+
+
+def test_segment_error_is_public_and_a_value_error():
+    assert ls.SegmentError is ls._segments.SegmentError and issubclass(ls.SegmentError, ValueError)
+    assert "SegmentError" in ls.__all__

@@ -312,3 +312,111 @@ def test_a_traced_setting_is_refused():
 
     with pytest.raises(TypeError, match="scale must be a concrete number"):
         jax.jit(build)(2.0)
+
+
+# Another library's name for a setting, passed to any factory, names this
+# library's argument and the preset that takes the peer's name.
+EVERY_FACTORY = {
+    "dynamic": lambda **kw: ls.dynamic(optax.sgd(0.1), **kw),
+    "predictive": lambda **kw: ls.predictive(optax.sgd(0.1), **kw),
+    "static": lambda **kw: ls.static(optax.sgd(0.1), 2.0, **kw),
+    "no_op": lambda **kw: ls.no_op(optax.sgd(0.1), **kw),
+    "for_dtype": lambda **kw: ls.for_dtype(optax.sgd(0.1), "bfloat16", **kw),
+    "Policy.loss_scaling": lambda **kw: ls.Policy.from_string("compute=f16").loss_scaling(optax.sgd(0.1), **kw),
+}
+
+
+@pytest.mark.parametrize("factory", sorted(EVERY_FACTORY))
+def test_torchs_init_scale_names_initial_scale_and_the_torch_preset(factory):
+    with pytest.raises(TypeError) as error:
+        EVERY_FACTORY[factory](init_scale=2.0**16)
+    message = str(error.value)
+    assert message.startswith(f"{factory}() got an unexpected keyword argument 'init_scale': "), message
+    assert "torch" in message and "initial_scale=" in message, message
+    assert "ls.presets.torch" in message and "ls.presets.apex" in message, message
+
+
+@pytest.mark.parametrize(
+    ("name", "argument", "presets"),
+    [
+        ("init_scale", "initial_scale=", ["torch", "apex"]),
+        ("dynamic_growth_steps", "growth_interval=", ["keras", "tf_keras"]),
+        ("initial_scale_power", "initial_scale=2.0**initial_scale_power", ["deepspeed"]),
+        ("loss_scale_window", "growth_interval=", ["deepspeed", "megatron"]),
+        ("min_loss_scale", "min_scale=", ["deepspeed", "megatron", "apex", "jmp", "cerebras"]),
+        ("initial_loss_scale", "initial_scale=", ["megatron", "cerebras"]),
+        ("scale_window", "growth_interval=", ["apex"]),
+        ("max_loss_scale", "max_scale=", ["apex", "cerebras"]),
+        ("minimum_scale", "min_scale=", ["flax"]),
+        ("loss_scale", "initial_scale=", ["jmp", "deepspeed", "megatron", "apex"]),
+        ("period", "growth_interval=", ["jmp"]),
+        ("factor", "growth_factor=factor, backoff_factor=1/factor", ["jmp"]),
+        ("steps_per_increase", "growth_interval=", ["cerebras"]),
+        ("max_gradient_norm", "max_grad_norm=", ["cerebras"]),
+        ("enabled", "ls.no_op(inner)", ["torch"]),
+        ("overflow_tolerance", "no counterpart", ["cerebras"]),
+    ],
+)
+def test_a_peers_name_names_this_librarys_argument_and_the_presets(name, argument, presets):
+    with pytest.raises(TypeError) as error:
+        ls.dynamic(optax.sgd(0.1), **{name: 1})
+    message = str(error.value)
+    assert message.startswith(f"dynamic() got an unexpected keyword argument {name!r}: "), message
+    assert argument in message, message
+    for preset in presets:
+        assert f"ls.presets.{preset}" in message, (preset, message)
+
+
+def test_a_fixed_loss_scale_points_to_static_and_deepspeeds_consecutive_hysteresis_to_dynamic():
+    with pytest.raises(TypeError, match=r"for DeepSpeed, Megatron-LM and Apex, .*ls\.static\(inner, scale=\.\.\.\)"):
+        ls.dynamic(optax.sgd(0.1), loss_scale=128.0)
+    # A setting ls.dynamic takes under the peer's own name, passed to a rule without it.
+    with pytest.raises(
+        TypeError, match="'consecutive_hysteresis': consecutive_hysteresis is an argument of ls.dynamic"
+    ):
+        ls.predictive(optax.sgd(0.1), consecutive_hysteresis=True)
+    with pytest.raises(TypeError, match=r"'loss_scale_window': .*ls\.dynamic takes it as growth_interval="):
+        ls.predictive(optax.sgd(0.1), loss_scale_window=1000)
+
+
+def test_the_peer_table_covers_every_preset_argument_that_dynamic_lacks():
+    # Each name a preset takes and ls.dynamic does not is in the table, with
+    # that preset; each preset the table names takes the name.
+    import inspect
+
+    from loss_scale._options import PEER_NAMES
+
+    own = set(inspect.signature(ls.dynamic).parameters)
+    for preset in ls.presets.__all__:
+        for name in inspect.signature(getattr(ls.presets, preset)).parameters:
+            if name not in own:
+                assert any(preset in presets for presets, _, _ in PEER_NAMES.get(name, ())), (preset, name)
+    for name, meanings in PEER_NAMES.items():
+        for presets, argument, _ in meanings:
+            assert argument is None or argument in own, (name, argument)
+            for preset in presets:
+                assert name in inspect.signature(getattr(ls.presets, preset)).parameters, (preset, name)
+
+
+@pytest.mark.parametrize(
+    ("call", "suggestion"),
+    [
+        (lambda: ls.dynamic(optax.sgd(0.1), growth_intervall=10), "did you mean growth_interval?"),
+        (lambda: ls.predictive(optax.sgd(0.1), min_headrom=2), "did you mean min_headroom?"),
+        (lambda: ls.static(optax.sgd(0.1), 2.0, track_grad_nrom=True), "did you mean track_grad_norm?"),
+        (lambda: ls.no_op(optax.sgd(0.1), skip_non_finite=True), "did you mean skip_nonfinite?"),
+        (lambda: ls.for_dtype(optax.sgd(0.1), "f16", max_grad_nrom=1.0), "did you mean max_grad_norm?"),
+        (lambda: ls.presets.torch(optax.sgd(0.1), growth_intervall=10), "did you mean growth_interval?"),
+        (lambda: ls.presets.cerebras(optax.sgd(0.1), max_grad_norm=1.0), "did you mean max_gradient_norm?"),
+    ],
+)
+def test_a_misspelt_keyword_names_the_closest_argument(call, suggestion):
+    with pytest.raises(TypeError, match="unexpected keyword argument") as error:
+        call()
+    assert str(error.value).endswith(suggestion), str(error.value)
+
+
+def test_an_unknown_keyword_with_nothing_close_keeps_pythons_message():
+    with pytest.raises(TypeError) as error:
+        ls.dynamic(optax.sgd(0.1), frobnicate=True)
+    assert str(error.value) == "dynamic() got an unexpected keyword argument 'frobnicate'"

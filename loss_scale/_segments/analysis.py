@@ -33,6 +33,7 @@ and a boundary inside them is an error.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Sequence
 from typing import Any
 
@@ -42,7 +43,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from loss_scale._probe import _describe
-from loss_scale._segments.marker import marker_name
+from loss_scale._segments.marker import call_site, marker_name
 from loss_scale._skip import sub_jaxprs
 
 Potential = tuple[int, ...]
@@ -54,7 +55,34 @@ OUT = -1
 
 
 class SegmentError(ValueError):
-    """A loss function whose boundaries per-segment scaling cannot apply."""
+    """A loss function whose boundaries per-segment scaling cannot apply.
+
+    Raised where the gradient functions (``loss_scale.value_and_grad``,
+    ``loss_scale.value_grad_and_peak`` and their flax and Equinox versions)
+    trace a loss function with the state of an optimizer built with
+    ``segments``: a boundary whose name is not one of them (the message
+    names the closest, and the error's traceback ends at the
+    ``loss_scale.segment`` call), a 16-bit value used in two segments of
+    different scales (a boundary inside one branch of a residual block), a
+    boundary inside a ``while_loop``, a ``custom_vjp`` function or a nested
+    ``scan``. The message names the value or the boundary, where the loss
+    function makes it, and the fix. A ``ValueError``.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, loss_scale as ls
+      >>> tx = ls.predictive(optax.sgd(0.1), segments=("encoder",))
+      >>> params = {"w": jnp.ones(2)}
+      >>> def loss_fn(p):
+      ...     return jnp.sum(ls.segment(jnp.tanh(p["w"]), "encodr"))  # misspelt
+      >>> try:
+      ...     ls.value_and_grad(loss_fn)(tx.init(params), params)
+      ... except ls.SegmentError as error:
+      ...     print(error)
+      <doctest ...>:2 (loss_fn): the loss function marks a boundary 'encodr' that
+      is not one of the optimizer's segments ['encoder']. Did you mean 'encoder'?
+      Otherwise add 'encodr' to the segments of loss_scale.predictive(...,
+      segments=...).
+    """
 
 
 def _is_var(v: Any) -> bool:
@@ -221,7 +249,7 @@ class Analyser:
                     plan.recasts[position] = casts[var]
                     use(casts[var].invars[0], p, position, eqn)
                 else:
-                    raise self._mixed_error(var, q, p, eqn, seeded)
+                    raise self._mixed_error(var, q, p, eqn, _kind(var, jaxpr, seeded))
 
         for j, (v, p) in enumerate(zip(jaxpr.outvars, out_potentials, strict=True)):
             use(v, p, (OUT, j), None)
@@ -243,11 +271,7 @@ class Analyser:
         dependent_in = [_is_var(v) and v in plan.dependent for v in eqn.invars]
         if name is not None:
             if name not in self.index:
-                raise SegmentError(
-                    f"the loss function marks a boundary {name!r} that is not one of the optimizer's segments "
-                    f"{list(self.names)} ({_describe(eqn, '')}). Add it to the segments of "
-                    "loss_scale.predictive(..., segments=...)."
-                )
+                raise self._undeclared_error(name, eqn)
             plan.markers[i] = self.index[name]
             onehot = tuple(int(k == self.index[name]) for k in range(len(self.names)))
             return [None if p is None else self.add(p, onehot) for p in outs]
@@ -319,7 +343,7 @@ class Analyser:
                 p = b.in_potentials[j]
                 if p is not None and p != chosen:
                     if not _wide(var):
-                        raise self._mixed_error(var, chosen, p, eqn, set())
+                        raise self._mixed_error(var, chosen, p, eqn, "value")
                     b.in_rescales[j] = self.sub(chosen, p)
             potentials.append(chosen)
         if in_scan and any(b.rewrites for b in branches):
@@ -353,7 +377,7 @@ class Analyser:
             if any(p != chosen for _, p in seen):
                 if not _wide(var):
                     t, p = next((t, p) for t, p in seen if p != chosen)
-                    raise self._mixed_error(var, chosen, p, eqn, set(), step=t)
+                    raise self._mixed_error(var, chosen, p, eqn, "value", step=t)
                 table = np.zeros((length, len(self.names)), np.int32)
                 for t, p in seen:
                     table[t] = self.sub(chosen, p)
@@ -374,27 +398,70 @@ class Analyser:
         plan.inner[i] = ScanPlan(steps, const_rescales)
         return potentials
 
+    def _undeclared_error(self, name: str, eqn: Any) -> SegmentError:
+        """The error for a boundary whose name is not one of the optimizer's
+        segments, at the user's ``segment`` call: named in the message, and
+        the last frame of the error's traceback (the analysis runs after the
+        loss function was traced, so the call is no longer on the stack)."""
+        where, traceback = call_site(eqn)
+        close = difflib.get_close_matches(name, self.names, n=1)
+        fix = f"Did you mean {close[0]!r}? Otherwise add" if close else "Add"
+        error = SegmentError(
+            f"{where or _describe(eqn, '')}: the loss function marks a boundary {name!r} that is not one of the "
+            f"optimizer's segments {list(self.names)}. {fix} {name!r} to the segments of "
+            "loss_scale.predictive(..., segments=...)."
+        )
+        return error.with_traceback(traceback)
+
     def _mixed_error(
-        self, var: Any, first: Potential, second: Potential, eqn: Any, seeded: set, step: int | None = None
+        self, var: Any, first: Potential, second: Potential, eqn: Any, kind: str, step: int | None = None
     ) -> SegmentError:
+        """The error for a 16-bit ``var`` whose uses reach the loss through
+        segments of different scales. ``kind`` is what ``var`` is:
+        ``"parameter"`` (a differentiated input), ``"activation"`` (computed
+        by the loss function) or ``"value"`` (an input of a function the
+        loss calls, which may be either); the fix differs."""
         where = f" ({_describe(eqn, '')})" if eqn is not None else ""
         at = f" at scan step {step}" if step is not None else ""
-        what = "a parameter" if var in seeded else "a value"
-        if var in seeded:
+        dtype, shape = var.aval.dtype, tuple(var.aval.shape)
+        if kind == "parameter":
             used_in = self.describe(second if first == self.zero else first)
             return SegmentError(
-                f"a parameter of dtype {var.aval.dtype} and shape {tuple(var.aval.shape)} is used in segment "
-                f"{used_in}{at}{where}, and per-segment scaling brings every parameter's gradient back to the global "
-                f"scale, which a {var.aval.dtype} gradient cannot hold exactly. Keep parameters in float32 and cast "
-                "them to float16 where they are used (the mixed-precision recipe)"
+                f"a parameter of dtype {dtype} and shape {shape} is used in segment {used_in}{at}{where}, and "
+                f"per-segment scaling brings every parameter's gradient back to the global scale, which a {dtype} "
+                "gradient cannot hold exactly. Keep parameters in float32 and cast them to float16 where they are "
+                "used (the mixed-precision recipe)"
+            )
+        mixed = (
+            f"of dtype {dtype} and shape {shape} is used in two segments of different scales{at} "
+            f"({self.describe(first)}; {self.describe(second)}){where}: a boundary is on some of its paths to the "
+            f"loss and not on others, so its cotangent would be the sum of cotangents of different scales, which a "
+            f"{dtype} value cannot hold."
+        )
+        residual = (
+            "put the boundary where every path from the value to the loss crosses it: for a boundary inside one "
+            "branch of a residual block (h + f(h)), on the residual stream, after the residual addition "
+            "(h = ls.segment(h + f(h), name)); or pass the value through the boundary with the branch's "
+            "activations (ls.segment((out, h), name)) and use what it returns"
+        )
+        if kind == "activation":
+            return SegmentError(
+                f"an activation (a value the loss function computes, not a parameter) {mixed} "
+                f"{residual[0].upper()}{residual[1:]}"
             )
         return SegmentError(
-            f"{what} of dtype {var.aval.dtype} and shape {tuple(var.aval.shape)} is used in two segments of "
-            f"different scales{at} ({self.describe(first)}; {self.describe(second)}){where}. A {var.aval.dtype} "
-            "value cannot hold the sum of two cotangents of different scales. Keep parameters in float32 (cast "
-            "them to float16 where they are used), or pass the value through the boundary with the activations "
-            "(ls.segment((h, value), name)), so that all its uses are in one segment"
+            f"a value {mixed} If it is an activation, {residual}. If it is a {dtype} parameter, keep it in float32 "
+            "and cast it where it is used"
         )
+
+
+def _kind(var: Any, jaxpr: Any, seeded: set) -> str:
+    """What ``var`` of ``jaxpr`` is, for ``Analyser._mixed_error``: a
+    parameter (seeded), an activation (computed in ``jaxpr``), or a value
+    handed in to it."""
+    if var in seeded:
+        return "parameter"
+    return "value" if var in jaxpr.invars else "activation"
 
 
 def _dependent(jaxpr: Any, dependent_in: Sequence[bool]) -> set[Any]:

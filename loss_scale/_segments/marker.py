@@ -13,7 +13,9 @@ place.
 
 from __future__ import annotations
 
+import os
 import re
+import types
 from typing import Any
 
 import jax
@@ -27,6 +29,8 @@ SCOPE = "loss_scale.segment"
 # "Encoder/loss_scale.segment[encoder]" or "vmap(loss_scale.segment[encoder])".
 _MARKER_SCOPE = re.compile(r"loss_scale\.segment\[([^\[\]/]+)\]\)*$")
 _CUSTOM_VJP = ("custom_vjp_call", "custom_vjp_call_jaxpr")
+# This package's directory: its frames are never the user's code.
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 
 
 @jax.custom_vjp
@@ -116,6 +120,33 @@ def marker_name(eqn: Any) -> str | None:
         return None
     match = _MARKER_SCOPE.search(str(eqn.source_info.name_stack))
     return match.group(1) if match else None
+
+
+def call_site(eqn: Any) -> tuple[str | None, types.TracebackType | None]:
+    """Where the user's code made ``eqn`` (for a marker: the line that
+    calls ``segment``), found in the traceback JAX kept when tracing it: the
+    innermost frame outside JAX and outside this package, as
+    ``"path:line (function)"`` and as a one-frame traceback, so that an
+    error raised later (the analysis runs after the loss function was
+    traced) can end at that line. ``(None, None)`` when the traceback is not
+    available."""
+    try:
+        from jax._src.source_info_util import is_user_filename
+
+        tb = eqn.source_info.traceback.as_python_traceback()
+    except Exception:  # a private helper moved, or no traceback was kept
+        return None, None
+    found = None
+    while tb is not None:  # outermost frame first
+        filename = tb.tb_frame.f_code.co_filename
+        if is_user_filename(filename) and not os.path.abspath(filename).startswith(_PACKAGE):
+            found = tb
+        tb = tb.tb_next
+    if found is None:
+        return None, None
+    code = found.tb_frame.f_code
+    where = f"{code.co_filename}:{found.tb_lineno} ({code.co_name})"
+    return where, types.TracebackType(None, found.tb_frame, found.tb_lasti, found.tb_lineno)
 
 
 @jax.custom_vjp
