@@ -17,6 +17,10 @@ def train_step(model, optimizer, x, y):
     return loss
 ```
 
+For ``loss_scale.predictive`` with measured backward peaks,
+``nnx_value_grad_and_peak`` is ``nnx_value_and_grad`` with the peak as a
+third output, for ``optimizer.update(model, grads, backward_peak=peak)``.
+
 ``nnx.Optimizer`` keeps its state as ``nnx.Variable`` objects, so the core
 ``loss_scale.get_scale(optimizer.opt_state)`` returns a ``Variable``;
 ``get_scale``, ``find_state`` and ``metrics`` here return plain arrays.
@@ -52,6 +56,7 @@ from loss_scale._find import state_argument as _state_argument
 from loss_scale._fused import apply_gradients as _apply_gradients
 from loss_scale._grad import scaled_objective
 from loss_scale._metrics import metrics as _metrics
+from loss_scale._peak import value_grad_and_peak as _value_grad_and_peak
 from loss_scale._segments import SegmentedGradient as _SegmentedGradient
 from loss_scale._segments import segment_names as _segment_names
 from loss_scale._signatures import named_after as _named_after
@@ -60,7 +65,16 @@ from loss_scale._signatures import takes_first as _takes_first
 from loss_scale._state import LossScaleState
 from loss_scale._types import PyTree
 
-__all__ = ["Optimizer", "TrainState", "apply_gradients", "find_state", "get_scale", "metrics", "nnx_value_and_grad"]
+__all__ = [
+    "Optimizer",
+    "TrainState",
+    "apply_gradients",
+    "find_state",
+    "get_scale",
+    "metrics",
+    "nnx_value_and_grad",
+    "nnx_value_grad_and_peak",
+]
 
 
 def find_state(obj: Any) -> LossScaleState:
@@ -222,6 +236,116 @@ def _nnx_segmented(scaled: Callable, diff_filter: Any, model: Any, args: list, k
     grads, (out, updated) = segmented.plain()
     nnx.update(model, updated)
     return out, grads
+
+
+def nnx_value_grad_and_peak(
+    loss_fn: Callable[..., Any],
+    every: int = 16,
+    *,
+    has_aux: bool = False,
+    wrt: Any = None,
+    compute_dtype: Any = "float16",
+) -> Callable[..., tuple[Any, nnx.State, Any]]:
+    """The NNX analogue of ``loss_scale.value_grad_and_peak``: the scaled
+    gradients of an NNX model and, every ``every`` steps, the largest value
+    of the backward pass, for ``loss_scale.predictive``.
+
+    ``nnx_value_and_grad`` with a third output: on a measuring step (the
+    ``good_steps`` of the loss-scale state a multiple of ``every``),
+    ``backward_peak`` is the largest magnitude of any ``compute_dtype``
+    cotangent of the backward pass of ``loss * scale``, measured as
+    ``loss_scale.value_grad_and_peak`` measures it (see there what is and
+    is not seen), and 0 on the other steps. Pass it on as
+    ``optimizer.update(model, grads, backward_peak=peak)``. With
+    ``ls.segment`` boundaries in the model and ``ls.predictive(...,
+    segments=...)``, each segment is measured on its own, as there.
+
+    The model is split into the variables ``wrt`` selects, which are
+    differentiated, and the rest; updates that ``loss_fn`` makes to the rest
+    (batch statistics, RNG counters) are written back to the model, as
+    ``nnx_value_and_grad`` does.
+
+    Args:
+      loss_fn: ``(model, *args, **kwargs) -> loss``, or ``-> (loss, aux)``
+        with ``has_aux=True``; ``loss`` a scalar.
+      every: measure on steps whose ``good_steps`` is a multiple of it, >= 1.
+      has_aux: whether ``loss_fn`` returns auxiliary data.
+      wrt: an NNX filter selecting the variables to differentiate; by
+        default the ``wrt`` filter of the ``nnx.Optimizer`` passed in, or
+        ``nnx.Param`` when an optax state is passed instead.
+      compute_dtype: the dtype whose values can overflow: only cotangents
+        of this dtype count.
+
+    Returns:
+      ``(optimizer, model, *args, **kwargs) -> (value, grads,
+      backward_peak)``: ``optimizer`` is an ``nnx.Optimizer`` (or any
+      optimizer state holding a loss-scale state); ``value`` is
+      ``loss_fn``'s own, unscaled output, ``grads`` (an ``nnx.State``) the
+      gradients of ``loss * scale``, ready for ``optimizer.update(model,
+      grads, backward_peak=backward_peak)``, and ``backward_peak`` a float32
+      scalar, 0 on a step that does not measure (an ``ls.SegmentPeaks``
+      with segments, as ``ls.value_grad_and_peak`` returns it). Called
+      without the optimizer (``(model, x)``), it raises an error that says
+      so.
+
+    Examples:
+      >>> import jax.numpy as jnp, optax, loss_scale as ls
+      >>> from flax import nnx
+      >>> from loss_scale.flax import get_scale, nnx_value_grad_and_peak
+      >>> model = nnx.Linear(4, 1, use_bias=False, dtype=jnp.float16,
+      ...                    kernel_init=nnx.initializers.ones, rngs=nnx.Rngs(0))
+      >>> def loss_fn(model, x):  # a float16 intermediate 64x larger than the gradient
+      ...     return jnp.mean((model(x) / 64).astype(jnp.float32))
+      >>> optimizer = nnx.Optimizer(model, ls.predictive(optax.sgd(0.1), initial_scale=1.0), wrt=nnx.Param)
+      >>> loss, grads, peak = nnx_value_grad_and_peak(loss_fn)(optimizer, model, jnp.ones((8, 4)))
+      >>> float(peak), float(grads["kernel"][...].max())  # the cotangent of model(x) / 64 is 1/8
+      (0.125, 0.015625)
+      >>> _ = optimizer.update(model, grads, backward_peak=peak)
+      >>> float(get_scale(optimizer))  # moved to the measured target at once
+      131072.0
+    """
+    # The function measured is made per call (it closes over the split
+    # model): its arguments are checked here, when wrapped, as
+    # ls.value_grad_and_peak checks them.
+    _value_grad_and_peak(loss_fn, every, compute_dtype=compute_dtype)
+    call = "loss_scale.flax.nnx_value_grad_and_peak(loss_fn)(optimizer, model, *args, **kwargs)"
+
+    @_named_after(loss_fn)
+    def wrapped(*args, **kwargs):
+        _need_arguments(args, ["optimizer", "model"], call)
+        optimizer, model, *args = args
+        diff_filter = wrt if wrt is not None else getattr(optimizer, "wrt", nnx.Param)
+        state = nnx.as_pure(_state_argument(optimizer, call, "the nnx.Optimizer (or its opt_state)"))
+        graphdef, diff, rest = nnx.split(model, diff_filter, ...)
+
+        def objective(diff, *args, **kwargs):
+            # Fresh variables of this trace for the rest too (the model's own
+            # may not be mutated from inside it); the rest as loss_fn left it
+            # comes out with the auxiliary output.
+            copy = nnx.merge(graphdef, diff, jax.tree.map(lambda x: x, rest))
+            out = loss_fn(copy, *args, **kwargs)
+            loss = _loss_of(out, has_aux)
+            return loss, (out, nnx.state(copy, nnx.Not(diff_filter)))
+
+        measure = _value_grad_and_peak(objective, every, has_aux=True, compute_dtype=compute_dtype)
+        (_, (out, updated)), grads, peak = measure(state, diff, *args, **kwargs)
+        nnx.update(model, updated)
+        return out, grads, peak
+
+    return _takes_first(wrapped, ["optimizer", "model"])
+
+
+def _loss_of(out: Any, has_aux: bool) -> Any:
+    """The loss in ``loss_fn``'s output, with ``jax.grad``'s error where
+    ``has_aux`` is set and the output is not a ``(loss, aux)`` pair."""
+    if not has_aux:
+        return out
+    if not (isinstance(out, tuple | list) and len(out) == 2):
+        raise TypeError(
+            f"expected function with aux output to return a two-element tuple, but got type {type(out)} with value "
+            f"{out!r}"
+        )
+    return out[0]
 
 
 def apply_gradients(state: Any, grads: PyTree, **extra_args: Any) -> Any:

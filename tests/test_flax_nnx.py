@@ -203,6 +203,150 @@ def test_policy_casts_nnx_state_and_keeps_variable_types():
     assert cast["norm"]["mean"][...].dtype == jnp.float16
 
 
+# NNX with measured backward peaks (ls.predictive).
+
+
+def split_loss(loss_fn, graphdef):
+    """``loss_fn`` of a model split into its params and the rest, as the
+    functional form takes it: ``(params, rest, *args) -> (loss, rest after)``."""
+
+    def of_split(params, rest, *args):
+        model = nnx.merge(graphdef, params, rest)
+        return loss_fn(model, *args), nnx.as_pure(nnx.state(model, nnx.Not(nnx.Param)))
+
+    return of_split
+
+
+def largest_unscaled(grads, opt_state):
+    return jax.tree.map(lambda g: jnp.max(jnp.abs(g)), ls.unscale(grads, opt_state))
+
+
+def measured_runs(make_model, tx, loss_fn, batches, every):
+    """The same steps taken twice, with ``nnx_value_grad_and_peak`` on an
+    ``nnx.Optimizer`` and with ``ls.value_grad_and_peak`` on the split model:
+    for each, the per-step ``(loss, loss-scale state without the inner
+    state, peak, largest unscaled gradient of each param)`` and the model's
+    final params and other variables."""
+    model = make_model()
+    optimizer = nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+    @nnx.jit
+    def nnx_step(model, optimizer, batch):
+        loss, grads, peak = lsf.nnx_value_grad_and_peak(loss_fn, every)(optimizer, model, *batch)
+        assert isinstance(grads, nnx.State)
+        largest = largest_unscaled(nnx.as_pure(grads), lsf.find_state(optimizer))
+        optimizer.update(model, grads, backward_peak=peak)
+        return loss, peak, largest
+
+    graphdef, params, rest = nnx.split(make_model(), nnx.Param, ...)
+    params, rest = nnx.as_pure(params), nnx.as_pure(rest)
+    opt_state = tx.init(params)
+
+    @jax.jit
+    def functional_step(params, rest, opt_state, batch):
+        measure = ls.value_grad_and_peak(split_loss(loss_fn, graphdef), every, has_aux=True)
+        (loss, rest), grads, peak = measure(opt_state, params, rest, *batch)
+        largest = largest_unscaled(grads, opt_state)
+        updates, opt_state = tx.update(grads, opt_state, params, backward_peak=peak)
+        return optax.apply_updates(params, updates), rest, opt_state, loss, peak, largest
+
+    nnx_steps, functional_steps = [], []
+    for batch in batches:
+        loss, peak, largest = nnx_step(model, optimizer, batch)
+        nnx_steps.append((loss, lsf.find_state(optimizer)._replace(inner_state=None), peak, largest))
+        params, rest, opt_state, loss, peak, largest = functional_step(params, rest, opt_state, batch)
+        functional_steps.append((loss, ls.find_state(opt_state)._replace(inner_state=None), peak, largest))
+    nnx_model = (nnx.as_pure(nnx.state(model, nnx.Param)), nnx.as_pure(nnx.state(model, nnx.Not(nnx.Param))))
+    return (nnx_steps, nnx_model), (functional_steps, (params, rest))
+
+
+# Two programs traced apart: float16 bits may differ between them (AVX512-FP16 CPUs).
+FLOAT16_ROUNDING = 2e-3
+
+
+def assert_same_training(nnx_run, functional_run):
+    (nnx_steps, nnx_model), (functional_steps, functional_model) = nnx_run, functional_run
+    for step, (ours, theirs) in enumerate(zip(nnx_steps, functional_steps, strict=True)):
+        assert float(ours[1].scale) == float(theirs[1].scale), f"step {step}"
+        assert_trees_close(ours, theirs, rtol=FLOAT16_ROUNDING, atol=1e-6, what=f"step {step}")
+    assert_trees_close(nnx_model, functional_model, rtol=FLOAT16_ROUNDING, atol=1e-6)
+
+
+def test_nnx_value_grad_and_peak_trains_as_the_functional_form_on_the_split_model():
+    # float16 compute and BatchNorm statistics (written back to the model);
+    # measuring on steps 0, 2 and 4, the scale set from the first measurement.
+    tx = ls.predictive(optax.adam(1e-2), initial_scale=1.0)
+    batches = [batch(seed=seed) for seed in range(6)]
+    nnx_run, functional_run = measured_runs(lambda: MLP(nnx.Rngs(0), jnp.float16), tx, cross_entropy, batches, 2)
+    assert_same_training(nnx_run, functional_run)
+    steps = nnx_run[0]
+    assert [bool(peak > 0) for _, _, peak, _ in steps] == [True, False, True, False, True, False]
+    assert bool(steps[0][1].counters.measured) and float(steps[0][1].scale) > 2.0**10
+    assert not np.array_equal(nnx_run[1][1]["norm"]["mean"], np.zeros(16))
+
+
+def shrink(h, binades):
+    """``h`` forward; its cotangents ``2**-binades`` times smaller."""
+    small = h * jnp.asarray(2.0**-binades, h.dtype)
+    return small + jax.lax.stop_gradient(h - small)
+
+
+class Deep(nnx.Module):
+    """Cotangents 40 binades smaller below the "embed" boundary than above
+    it: more than one float16 scale holds."""
+
+    def __init__(self, rngs):
+        self.embed = nnx.Linear(6, 8, dtype=jnp.float16, rngs=rngs)
+        self.norm = nnx.BatchNorm(8, dtype=jnp.float16, rngs=rngs)
+        self.head = nnx.Linear(8, 3, dtype=jnp.float16, rngs=rngs)
+
+    def __call__(self, x):
+        h = shrink(jnp.tanh(self.norm(self.embed(x))), 20)
+        return self.head(shrink(ls.segment(h, "embed"), 20))
+
+
+def squared(model, x):
+    return jnp.mean(model(x).astype(jnp.float32) ** 2)
+
+
+def test_nnx_value_grad_and_peak_with_a_scale_per_segment():
+    tx = ls.predictive(optax.sgd(0.1), initial_scale=1.0, segments=("embed",))
+    batches = [(jax.random.normal(jax.random.key(seed), (5, 6)),) for seed in range(4)]
+    nnx_run, functional_run = measured_runs(lambda: Deep(nnx.Rngs(0)), tx, squared, batches, 1)
+    assert_same_training(nnx_run, functional_run)
+    steps = nnx_run[0]
+    assert all(isinstance(peak, ls.SegmentPeaks) and peak.names == ("embed",) for _, _, peak, _ in steps)
+    # The boundary's own scale, many binades above the loss's.
+    assert int(steps[-1][1].counters.segment_exponents["embed"]) >= 10
+    # The embedding's gradient is kept; with one scale its float16 gradient is flushed to zero.
+    assert float(steps[-1][3]["embed"]["kernel"]) > 0
+    model = Deep(nnx.Rngs(0))
+    optimizer = nnx.Optimizer(model, ls.predictive(optax.sgd(0.1), initial_scale=2.0**10), wrt=nnx.Param)
+    _, grads, _ = lsf.nnx_value_grad_and_peak(squared)(optimizer, model, *batches[0])
+    assert float(jnp.max(jnp.abs(grads["embed"]["kernel"][...]))) == 0.0
+
+
+def test_nnx_value_grad_and_peak_misuse_says_what_is_wrong():
+    model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    fun = lambda model, x: jnp.sum(model(x))  # noqa: E731
+    optimizer = nnx.Optimizer(model, ls.predictive(optax.sgd(0.1)), wrt=nnx.Param)
+    call = r"nnx_value_grad_and_peak\(loss_fn\)\(optimizer, model, \*args"
+    with pytest.raises(TypeError, match=call):
+        lsf.nnx_value_grad_and_peak(fun)(model)
+    with pytest.raises(ValueError, match=call + r".*first argument must be the nnx.Optimizer \(or its opt_state\)"):
+        lsf.nnx_value_grad_and_peak(fun)(model, jnp.ones(2))
+    plain = nnx.Optimizer(model, optax.sgd(0.1), wrt=nnx.Param)
+    with pytest.raises(ValueError, match="has no loss-scale state"):
+        lsf.nnx_value_grad_and_peak(fun)(plain, model, jnp.ones(2))
+    # Checked when wrapped, as ls.value_grad_and_peak checks them.
+    with pytest.raises(ValueError, match="every must be >= 1"):
+        lsf.nnx_value_grad_and_peak(fun, every=0)
+    with pytest.raises(TypeError, match="fun must be callable"):
+        lsf.nnx_value_grad_and_peak(None)
+    with pytest.raises(TypeError, match="expected function with aux output to return a two-element tuple"):
+        lsf.nnx_value_grad_and_peak(fun, has_aux=True)(optimizer, model, jnp.ones(2))
+
+
 # linen.
 
 
