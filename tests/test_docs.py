@@ -5,7 +5,8 @@ match its signature, a missing page or a link to a missing anchor in a
 Markdown page. The checks of the built HTML (``site_problems``) catch what
 the build does not see: a link or anchor that does not resolve in a rendered
 notebook, a navigation title that differs from its page's title (a title cut
-at inline code), an API entry for a dunder or a NamedTuple internal, a public
+at inline code), a sidebar whose first entry repeats its title (the site's
+name), an API entry for a dunder or a NamedTuple internal, a public
 name that the search cannot find, a duplicated heading, and reST's ``::``
 left in a rendered docstring. Each check is shown to fail on a site with
 that defect planted.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import html.parser
 import json
+import os
 import pathlib
 import posixpath
 import re
@@ -27,6 +29,11 @@ import pytest
 
 ROOT = pathlib.Path(__file__).parents[1]
 pytest.importorskip("mkdocs")
+
+SITE_NAME = re.search(r"^site_name: (.+)$", (ROOT / "mkdocs.yml").read_text(), flags=re.M)[1].strip()
+# The home page's title is the README's, the site's name, which the sidebar
+# already shows as its title: the navigation names it this instead.
+HOME_ENTRY = "Home"
 
 # Dunder methods that may have an entry, when documented: the protocols a
 # user calls through syntax.
@@ -75,6 +82,7 @@ class Page(html.parser.HTMLParser):
         self.h1 = ""
         self.title = ""
         self.paragraphs: list[str] = []
+        self.sidebar: tuple[str, str] | None = None  # the primary sidebar's title and first entry
         self._open: list[str] = []  # the elements whose text is being collected: h1, title, p, nav
         self._text: dict[str, list[str]] = {}
         self._nav_href = ""
@@ -134,8 +142,9 @@ def read_site(site: pathlib.Path) -> dict[str, Page]:
     for path in sorted(site.rglob("*.html")):
         relative = path.relative_to(site).as_posix()
         url = relative[: -len("index.html")] if relative.endswith("index.html") else relative
-        page = Page()
-        page.feed(path.read_text(encoding="utf-8"))
+        page, content = Page(), path.read_text(encoding="utf-8")
+        page.feed(content)
+        page.sidebar = sidebar_head(content)
         pages[url] = page
     return pages
 
@@ -170,6 +179,25 @@ def repeated_headings(headings: list[tuple[str, str]]) -> list[str]:
     return repeated
 
 
+def _text(fragment: str) -> str:
+    return " ".join(html.unescape(re.sub(r"<[^>]+>", " ", fragment)).split())
+
+
+def sidebar_head(content: str) -> tuple[str, str] | None:
+    """The primary sidebar's title and the text of its first entry, in a
+    page's HTML, or ``None`` when the page has no such sidebar."""
+    start = content.find('<nav class="md-nav md-nav--primary')
+    if start < 0:
+        return None
+    # The sidebar's first label is its title, its first link (or label, for
+    # the page being read) its first entry.
+    title = re.compile(r'<label class="md-nav__title"[^>]*>(.*?)</label>', re.S).search(content, start)
+    entry = re.compile(r'class="md-nav__link[^"]*"[^>]*>(.*?)</(?:a|label)>', re.S).search(content, start)
+    if title is None or entry is None:
+        return None
+    return _text(title[1]), _text(entry[1])
+
+
 def site_problems(site: pathlib.Path) -> list[str]:
     """What is wrong with the built site at ``site``, one line each."""
     pages = read_site(site)
@@ -193,10 +221,16 @@ def site_problems(site: pathlib.Path) -> list[str]:
             target = _target(url, href)
             if target is None or target[0] not in pages:
                 continue
-            h1, name = pages[target[0]].h1, target[0] or "the home page"
+            if not target[0]:
+                if text != HOME_ENTRY:
+                    problems.append(f"{where}: the navigation names the home page {text!r}, not {HOME_ENTRY!r}")
+                continue
+            h1, name = pages[target[0]].h1, target[0]
             if text != h1:
                 problems.append(f"{where}: the navigation names {name} {text!r}, its title is {h1!r}")
-        if page.title and page.h1 and url and page.title != f"{page.h1} - loss_scale":
+        if page.sidebar and page.sidebar[0] == page.sidebar[1]:
+            problems.append(f"{where}: the sidebar's first entry repeats its title {page.sidebar[0]!r}")
+        if page.title and page.h1 and url and page.title != f"{page.h1} - {SITE_NAME}":
             problems.append(f"{where}: the window title {page.title!r} is not the page's title {page.h1!r}")
         for entry in page.entries:
             name = entry.rpartition(".")[2]
@@ -219,12 +253,29 @@ def site_problems(site: pathlib.Path) -> list[str]:
     return problems
 
 
+def built_site(tmp_path_factory) -> pathlib.Path:
+    """The site built once for the whole test run: this file's checks and the
+    browser's (``tests/test_docs_browser.py``) read the same build. Under
+    pytest-xdist the workers share it through their common temporary
+    directory, the first to get the lock building it."""
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent
+    site, done = base / "docs-site" / "site", base / "docs-site" / "built"
+    with open(base / "docs-site.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            result = build(ROOT, site)
+            assert result.returncode == 0, result.stderr[-3000:]
+            done.touch()
+    return site
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory) -> pathlib.Path:
-    out = tmp_path_factory.mktemp("docs") / "site"
-    result = build(ROOT, out)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return out
+    return built_site(tmp_path_factory)
 
 
 def test_the_site_builds_in_strict_mode(site):
@@ -309,6 +360,19 @@ def test_a_nav_title_that_differs_from_the_page_fails(site, tmp_path):
     assert new != content
     index.write_text(new)
     assert "/: the navigation names guides/update_rule/ " + f"{cut!r}, its title is {text!r}" in site_problems(planted)
+
+
+def test_a_sidebar_that_repeats_its_title_fails(site, tmp_path):
+    """The home page named by its title in the navigation: the sidebar's
+    title (the site's name) and its first entry read the same."""
+    planted = _copy(site, tmp_path)
+    assert read_site(site)[""].sidebar == (SITE_NAME, HOME_ENTRY)
+    path = planted / "guides" / "debugging" / "index.html"
+    text = path.read_text()
+    new = re.sub(rf"(<span class=\"md-ellipsis\">\s*){HOME_ENTRY}\b", rf"\g<1>{SITE_NAME}", text, count=1)
+    assert new != text
+    path.write_text(new)
+    assert f"guides/debugging/: the sidebar's first entry repeats its title {SITE_NAME!r}" in site_problems(planted)
 
 
 def test_a_duplicated_heading_fails(site, tmp_path):

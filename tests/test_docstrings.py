@@ -1,5 +1,6 @@
 """Every public name has a runnable ``>>>`` example in its own docstring:
-everything in ``loss_scale.__all__``, the presets, and the public names of
+everything in ``loss_scale.__all__`` (the ``presets`` module included, in
+its module docstring), the presets, and the public names of
 ``loss_scale.flax`` and ``loss_scale.equinox``. pytest runs them all
 (``--doctest-modules`` over ``loss_scale/``, in ``pyproject.toml``); this
 file checks that each public name has one, in a docstring that doctest
@@ -27,7 +28,7 @@ def public_names() -> list[str]:
         if module_name in NEEDS and importlib.util.find_spec(NEEDS[module_name]) is None:
             continue
         module = importlib.import_module(module_name)
-        names += [f"{module_name}.{name}" for name in module.__all__ if name != "presets"]
+        names += [f"{module_name}.{name}" for name in module.__all__]
     return names
 
 
@@ -38,9 +39,13 @@ def resolve(name: str) -> object:
 
 def collected_examples(obj: object) -> list[doctest.DocTest]:
     """The doctests of ``obj``'s own docstring, as pytest's doctest
-    collection finds them in the module that defines ``obj``."""
-    module = importlib.import_module(obj.__module__)
-    name = f"{module.__name__}.{obj.__qualname__}"
+    collection finds them in the module that defines ``obj`` (a module's
+    own, in the module)."""
+    if isinstance(obj, types.ModuleType):
+        module, name = obj, obj.__name__
+    else:
+        module = importlib.import_module(obj.__module__)
+        name = f"{module.__name__}.{obj.__qualname__}"
     return [test for test in doctest.DocTestFinder().find(module) if test.name == name and test.examples]
 
 
@@ -50,13 +55,15 @@ def missing_example(obj: object) -> str | None:
     if not doc or ">>>" not in doc:
         return "its docstring has no >>> example"
     if not collected_examples(obj):
-        return f"doctest does not collect its example from {obj.__module__}"
+        where = obj.__name__ if isinstance(obj, types.ModuleType) else obj.__module__
+        return f"doctest does not collect its example from {where}"
     return None
 
 
 def test_every_module_is_listed():
     assert {"dynamic", "range_report", "RangeRow", "scale_loss", "Float16StateWarning"} <= set(loss_scale.__all__)
-    assert len(public_names()) >= len(loss_scale.__all__) - 1 + len(loss_scale.presets.__all__)
+    assert "loss_scale.presets" in public_names()
+    assert len(public_names()) >= len(loss_scale.__all__) + len(loss_scale.presets.__all__)
 
 
 @pytest.mark.parametrize("name", public_names())
@@ -88,3 +95,11 @@ def test_a_name_without_an_example_fails():
 
     elsewhere.__module__ = "loss_scale"
     assert missing_example(elsewhere) == "doctest does not collect its example from loss_scale"
+
+
+def test_a_module_without_an_example_fails():
+    described = types.ModuleType("planted", "Says what the module holds, shows nothing.")
+    assert missing_example(described) == "its docstring has no >>> example"
+    assert missing_example(types.ModuleType("planted")) == "its docstring has no >>> example"
+    shown = types.ModuleType("planted", "Shows it.\n\n>>> 1 + 1\n2\n")
+    assert missing_example(shown) is None

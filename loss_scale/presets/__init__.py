@@ -49,6 +49,28 @@ Every preset also takes the keyword options of ``loss_scale.dynamic``
 ``enabled=False`` or a static ``loss_scale`` too), with errors that name the
 peer's argument. One module per peer; the rules they build are in
 ``loss_scale/_rules/``.
+
+Examples:
+  The same steps under torch's rule and DeepSpeed's, each set up by its
+  own argument names: DeepSpeed's ``hysteresis=2`` lets the first overflow
+  pass without a backoff (the step is still skipped). The gradients given
+  to ``update`` are those of the loss times the scale, as
+  ``loss_scale.value_and_grad`` returns them.
+
+  >>> import jax.numpy as jnp, optax, loss_scale as ls
+  >>> def scales(tx, steps):
+  ...     params = jnp.zeros(2)
+  ...     state = tx.init(params)
+  ...     out = []
+  ...     for grads in steps:
+  ...         _, state = tx.update(jnp.asarray(grads) * state.scale, state, params)
+  ...         out.append((float(state.scale), bool(state.skipped)))
+  ...     return out
+  >>> steps = [[1.0, 1.0], [jnp.inf, 1.0], [jnp.inf, 1.0], [1.0, 1.0], [1.0, 1.0]]
+  >>> scales(ls.presets.torch(optax.sgd(0.1), init_scale=2.0**16, growth_interval=2), steps)
+  [(65536.0, False), (32768.0, True), (16384.0, True), (16384.0, False), (32768.0, False)]
+  >>> scales(ls.presets.deepspeed(optax.sgd(0.1), initial_scale_power=16, hysteresis=2), steps)
+  [(65536.0, False), (65536.0, True), (32768.0, True), (32768.0, False), (32768.0, False)]
 """
 
 from loss_scale.presets._apex import apex
