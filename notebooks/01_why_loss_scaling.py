@@ -18,48 +18,41 @@
 # 4. what fraction of gradient elements flush to zero, as a function of the scale.
 
 # %%
-# Setup: run this cell first. loss_scale is not on the package index, and no name there is
-# installed (whoever registers "loss_scale" there is not this project): where it is missing,
-# it is installed from a local copy, the clone this notebook is in, a clone in
-# ./loss_scale_repository, or a wheel built in a clone (`pip wheel --no-deps .`) placed in the
-# working directory. On Colab, clone the repository first, in a cell of its own:
-# `!git clone <repository URL> loss_scale_repository`. The models and data of these notebooks
-# come from the scripts in the clone's examples/ folder, which goes on the import path.
-import importlib
+# Setup: run this cell first. loss_scale is not on the package index and its repository has no
+# public address yet: the code comes from a copy of the repository you were given, a clone or an
+# archive of one. Nothing is installed by name from the index: that name there is not this project's.
+# Run the notebook from the copy's notebooks/ folder, or name the copy's folder (the one with
+# pyproject.toml) in the LOSS_SCALE_REPOSITORY environment variable or in place of ".." below; on
+# Colab, upload the archive, `!unzip` it and run `%env LOSS_SCALE_REPOSITORY=/content/loss_scale`.
+# Where loss_scale is not installed, this cell installs the copy with pip and makes it importable
+# in the running kernel: no restart is needed.
+import importlib.util
+import os
 import pathlib
 import subprocess
 import sys
 
 try:
-    import loss_scale  # noqa: F401
-except ImportError:
-    clones = [
-        clone.resolve()
-        for clone in (pathlib.Path(".."), pathlib.Path("loss_scale_repository"))
-        if (clone / "pyproject.toml").is_file() and (clone / "loss_scale").is_dir()
-    ]
-    wheels = sorted(pathlib.Path.cwd().glob("loss_scale-*.whl"))
-    if not clones and not wheels:
-        raise ImportError(
-            "loss_scale is not installed, and it is not on the package index: install it from a clone of its "
-            'repository (`pip install -e ".[notebooks]"` in the clone), restart the kernel and run this notebook '
-            "from the clone's notebooks/ folder. On Colab, run `!git clone <repository URL> loss_scale_repository` "
-            "(or upload a wheel built in a clone with `pip wheel --no-deps .`), then this cell again."
-        ) from None
-    local = ["-e", f"{clones[0]}[examples]"] if clones else [f"{wheels[-1]}[examples]"]
-    subprocess.run([sys.executable, "-m", "pip", "install", "-q", *local], check=True)
-    importlib.invalidate_caches()
-
-if pathlib.Path("../examples/_common.py").is_file():  # in the notebooks/ folder of a clone
-    sys.path.insert(0, str(pathlib.Path("../examples").resolve()))
-elif pathlib.Path("loss_scale_repository/examples/_common.py").is_file():  # a clone next to the notebook
-    sys.path.insert(0, str(pathlib.Path("loss_scale_repository/examples").resolve()))
-else:
+    repository = pathlib.Path(os.environ["LOSS_SCALE_REPOSITORY"]).expanduser().resolve()
+except KeyError:
+    repository = pathlib.Path("..").resolve()  # this notebook's folder is the copy's notebooks/
+if not (repository / "pyproject.toml").is_file() or not (repository / "examples" / "_common.py").is_file():
     raise FileNotFoundError(
-        "these notebooks import their models and data from the repository's examples/ folder, which is not "
-        "here: run them from the notebooks/ folder of a clone of the repository, or clone it next to this "
-        "notebook (`!git clone <repository URL> loss_scale_repository` on Colab)"
+        f"no copy of the loss_scale repository in {repository}. The package is not on the package index and its "
+        "repository has no public address yet: get a copy (a clone, or an archive of one) from whoever gave you "
+        "this notebook, put it where this kernel can read it (on Colab: upload the archive and `!unzip` it), name "
+        "its folder in the LOSS_SCALE_REPOSITORY environment variable (`%env LOSS_SCALE_REPOSITORY=/path/to/it`) "
+        'or in place of ".." in this cell, and run this cell again.'
     )
+# Not installed, or only the copy's own folder named loss_scale in the working directory (a
+# namespace package, with no origin).
+if getattr(importlib.util.find_spec("loss_scale"), "origin", None) is None:
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "-e", f"{repository}[examples]"], check=True)
+    # pip's editable install takes effect in the next kernel (a .pth file read at start-up): in this
+    # one the package is imported from the copy itself, and the dependencies pip just added are seen.
+    sys.path.append(str(repository))
+    importlib.invalidate_caches()
+sys.path.insert(0, str(repository / "examples"))  # the notebooks' models and data
 
 # %%
 import jax
