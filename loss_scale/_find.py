@@ -10,6 +10,14 @@ import jax
 from loss_scale._state import LossScaleState
 from loss_scale._types import PyTree
 
+# Every way to build a loss-scaling transformation, for the messages that
+# ask for one.
+FACTORIES = (
+    "loss_scale.dynamic, loss_scale.static, loss_scale.no_op, loss_scale.predictive, loss_scale.for_dtype, "
+    "loss_scale.Policy.loss_scaling or a preset (loss_scale.presets.torch, keras, deepspeed, megatron, apex, "
+    "flax, jmp, cerebras)"
+)
+
 
 def _is_state(x: Any) -> bool:
     return isinstance(x, LossScaleState)
@@ -29,7 +37,10 @@ def find_state(opt_state: PyTree) -> LossScaleState:
       The loss-scale state.
 
     Raises:
-      ValueError: when there is none, or more than one.
+      ValueError: when there is none, or more than one (two loss-scaling
+        transformations in one optimizer, e.g. siblings in an
+        ``optax.chain``, would each divide the gradients by their scale: wrap
+        the whole optimizer once).
 
     Examples:
       >>> import optax, jax.numpy as jnp, loss_scale as ls
@@ -39,19 +50,24 @@ def find_state(opt_state: PyTree) -> LossScaleState:
     """
     if _is_state(opt_state):
         return opt_state
-    found = [x for x in jax.tree.leaves(opt_state, is_leaf=_is_state) if _is_state(x)]
+    found = [
+        (path, x) for path, x in jax.tree_util.tree_flatten_with_path(opt_state, is_leaf=_is_state)[0] if _is_state(x)
+    ]
     if not found:
         raise ValueError(
             "no LossScaleState found in what was passed: expected the optimizer state (opt_state = "
-            "tx.init(params), with tx built by loss_scale.dynamic, loss_scale.static or loss_scale.no_op), "
-            f"got {describe(opt_state)}"
+            f"tx.init(params), with tx built by {FACTORIES}), got {describe(opt_state)}"
         )
     if len(found) > 1:
         raise ValueError(
-            f"found {len(found)} LossScaleStates in the given optimizer state; "
-            "pass the part of the state that holds the one you mean"
+            f"the optimizer state holds {len(found)} loss-scaling states (at "
+            f"{', '.join(jax.tree_util.keystr(path) or 'the top' for path, _ in found)}): the optimizer has "
+            f"{len(found)} loss-scaling transformations (siblings in an optax.chain or an optax.multi_transform), "
+            "and each divides the gradients by its own scale, while the loss is multiplied by one. Wrap the "
+            "whole optimizer once instead, e.g. ls.dynamic(optax.chain(optax.clip_by_global_norm(1.0), "
+            "optax.adam(1e-3))), not optax.chain(ls.dynamic(...), ls.dynamic(...))"
         )
-    return found[0]
+    return found[0][1]
 
 
 def state_argument(
@@ -66,8 +82,8 @@ def state_argument(
         if _has_optimizer_state(opt_state):
             raise
     raise ValueError(
-        f"{call}: the first argument must be {expected}, of an optimizer built with loss_scale.dynamic, "
-        f"loss_scale.static or loss_scale.no_op; got {describe(opt_state)}"
+        f"{call}: the first argument must be {expected}, of an optimizer built with {FACTORIES}; "
+        f"got {describe(opt_state)}"
     ) from None
 
 

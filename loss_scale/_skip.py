@@ -1,32 +1,55 @@
 """What a skipped step keeps, and how it is skipped without a branch.
 
 A skipped step returns the inner optimizer's state as it was
-(``kept_inner_state``), and zero updates or the params as they were.
+(``kept_inner_state``), and zero updates or the params as they were. The
+reference is one ``lax.cond`` around the inner update (``reference``);
+``apply_or_skip`` takes it, or a faster form that equals it in values, in
+derivatives and in what it computes:
 
-A ``lax.cond`` around the inner update makes XLA materialize every operand
-of the conditional: the gradients, in float32, before the update reads them
-(in a float16 backward pass, the float32 copy of every weight gradient that
-a bare step never writes, often transposed to the layout the branch wants).
-Without the branch, XLA fuses the gradients' producer into the update as it
-does for a bare optimizer. The step then computes the update on every step
-and keeps the old values where it must not apply it, with ``lax.select``
-(exact: the old bits). Selecting only the outputs would leave every
-consumer of a new state leaf (Adam's parameter update reads the new
-moments) recomputing it from the old buffer, which XLA then copies before
-overwriting it in place; so each new state leaf is selected where the
-jaxpr produces it, and its consumers read the selected value, which equals
-the new one whenever the step is applied and is discarded whenever it is
-not.
+* **a concrete decision** (an eager step): the taken or the skipped branch
+  alone, chosen in Python; nothing else runs.
+* **the select path** (traced, where the inner update has no effects and
+  no ``while_loop``/``cond``/``scan``). A ``lax.cond`` makes XLA
+  materialize every operand of the conditional: the gradients, in float32,
+  before the update reads them (in a float16 backward pass, the float32 copy
+  of every weight gradient that a bare step never writes). Without the
+  branch XLA fuses the gradients' producer into the update as it does for a
+  bare optimizer. The update then runs on every step and the old values are
+  kept with ``lax.select`` (exact: the old bits) where the step is skipped.
+  Each new state leaf is selected where the jaxpr produces it, and its
+  consumers read the selected value: selecting only the outputs would leave
+  every consumer (Adam's parameter update reads the new moments) recomputing
+  the new value from the old buffer, which XLA:CPU does in a second pass.
+
+  On a skipped step that discarded computation reads zeros for the
+  gradients and old values where new ones would be (Adam's bias correction
+  reads the old count, 0 before the first applied step; adafactor's
+  normalisation its zero moments), which an optimizer's formulas never see.
+  So every operation that is not finite on every finite input (a division,
+  ``sqrt``, ``rsqrt``, ``log``, ``pow``, ...: ``GUARDED``) and reads such a
+  value reads, where the step is skipped, a value on which it is finite
+  (``select(go, x, 1)``, fused into the same loop): a skipped step computes
+  nothing non-finite that its inputs do not force, and ``jax_debug_nans``
+  sees nothing. Nested calls (``jit``, ``custom_jvp``/``custom_vjp``
+  functions, ``checkpoint``) are entered for this, and the values of a taken
+  step are untouched (the guard selects ``x`` itself there).
+
+  Its derivatives are the reference's: the select path is a
+  ``jax.custom_jvp`` function whose JVP rule is the JVP of the ``lax.cond``
+  (``jax.grad``, ``jax.jvp``, ``jax.vjp`` through an update differentiate
+  the reference, whose skipped branch has derivative 0 with respect to the
+  gradients, the learning rate and the params, and 1 with respect to the
+  kept state).
 
 Where the inner update has effects (callbacks, prints) or control flow
 (``while_loop``, ``cond``, ``scan``: a line search, ``optax.MultiSteps``),
-running it on a skipped step would be observable or costly, and the update
-keeps the ``lax.cond``.
+running it on a skipped step would be observable or costly, and a traced
+update keeps the ``lax.cond``.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -41,6 +64,42 @@ from loss_scale._trees import first_difference
 # Primitives whose cost or behaviour on a skipped step's inputs is not that
 # of a few elementwise passes.
 _CONTROL_FLOW = frozenset({"while", "cond", "scan"})
+
+# Operations that can give a non-finite result on finite operands, with the
+# operands that decide it and a value on which they are finite: a division
+# by zero, the square root or logarithm of a negative number or of zero, a
+# power of zero with a negative exponent.
+GUARDED: Mapping[str, tuple[tuple[int, ...], float]] = {
+    "div": ((1,), 1.0),
+    "rem": ((1,), 1.0),
+    "sqrt": ((0,), 1.0),
+    "rsqrt": ((0,), 1.0),
+    "log": ((0,), 1.0),
+    "log1p": ((0,), 0.0),
+    "pow": ((0, 1), 1.0),
+    "acos": ((0,), 0.0),
+    "asin": ((0,), 0.0),
+    "acosh": ((0,), 1.0),
+    "atanh": ((0,), 0.0),
+    "erf_inv": ((0,), 0.0),
+    "lgamma": ((0,), 1.0),
+    "digamma": ((0,), 1.0),
+}
+
+# Call-like primitives whose body the select path evaluates itself, to guard
+# the operations inside (the values are the call's, the derivatives the
+# reference's, so a custom derivative rule is not needed here).
+_CALL_BODY = {
+    "pjit": "jaxpr",
+    "jit": "jaxpr",
+    "closed_call": "call_jaxpr",
+    "core_call": "call_jaxpr",
+    "remat2": "jaxpr",
+    "checkpoint": "jaxpr",
+    "custom_jvp_call": "call_jaxpr",
+    "custom_vjp_call": "call_jaxpr",
+    "custom_vjp_call_jaxpr": "fun_jaxpr",
+}
 
 
 def runs_unconditionally(closed: jax.extend.core.ClosedJaxpr) -> bool:
@@ -81,49 +140,224 @@ def select(go: jax.Array, new: Any, old: Any) -> Any:
     return jax.lax.select(go, new, old)
 
 
-def run_selecting(
-    closed: jax.extend.core.ClosedJaxpr, go: jax.Array, old: Mapping[int, Any], args: Sequence[Any]
+def apply_or_skip(
+    go: jax.Array,
+    traced: jax.extend.core.ClosedJaxpr,
+    taken: Callable[[Sequence[Any]], list[Any]],
+    kept: Callable[[Sequence[Any]], list[Any]],
+    num_grads: int,
+    args: Sequence[Any],
 ) -> list[Any]:
-    """Evaluates ``closed`` on ``args`` and returns its outputs, output ``i``
-    (for each ``i`` in ``old``) as ``select(go, new, old[i])``.
+    """``taken(args)`` where ``go``, else ``kept(args)``.
 
-    Each such output is selected where an equation produces it, so that
-    every later equation reads the selected value (see the module
-    docstring), and once more on the way out where that did not already
-    choose against ``old[i]`` (one value returned as two state leaves, an
-    input or a literal returned as it is). Only the top-level equations are rebound,
-    each with its own parameters as ``jax.core.eval_jaxpr`` does; an output
-    of a nested call (``pjit``) is selected where that call returns it."""
-    jaxpr = closed.jaxpr
-    env: dict[Any, Any] = {}
+    ``args`` are the flat leaves of the gradients (the first ``num_grads``),
+    the inner state and the params; ``taken`` is the applied step (whose
+    jaxpr is ``traced``) and ``kept`` the skipped step's outputs, leaf for
+    leaf. Equal to ``reference`` in values and derivatives (see the module
+    docstring for the forms it takes); an eager step calls ``taken`` itself,
+    so that it computes what the bare optimizer computes, op for op."""
+    consts, args = list(traced.consts), list(args)
+    decided = _concrete(go)
+    if decided is not None:
+        return list(taken(args)) if decided else list(kept(args))
+    if not runs_unconditionally(traced):
+        return reference(go, traced.jaxpr, kept, num_grads, consts, args)
 
-    def read(var: Any) -> Any:
-        return var.val if isinstance(var, jax.extend.core.Literal) else env[var]
+    @jax.custom_jvp
+    def branch_free(go, consts, args):
+        zeroed = _zero_gradients(go, args, num_grads)
+        old = dict(enumerate(kept(args)))
+        return _evaluate_selecting(traced.jaxpr, consts, zeroed, go, old, suspect=range(num_grads))
 
+    def branch_free_jvp(primals, tangents):
+        # Only the perturbed inputs carry tangents into the reference, so
+        # that the rest stay symbolic zeros there as in a bare update (an
+        # instantiated zero tangent meets an infinite partial derivative,
+        # sqrt's at 0, and gives 0 * inf = nan).
+        flat_primals, treedef = jax.tree.flatten(primals)
+        flat_tangents = jax.tree.leaves(tangents, is_leaf=_is_symbolic_zero)
+        perturbed = [not _is_symbolic_zero(t) for t in flat_tangents]
+
+        def of_perturbed(*values):
+            values = iter(values)
+            full = [next(values) if p else x for x, p in zip(flat_primals, perturbed, strict=True)]
+            go, consts, args = jax.tree.unflatten(treedef, full)
+            return reference(go, traced.jaxpr, kept, num_grads, consts, args)
+
+        return jax.jvp(
+            of_perturbed,
+            [x for x, p in zip(flat_primals, perturbed, strict=True) if p],
+            [t for t, p in zip(flat_tangents, perturbed, strict=True) if p],
+        )
+
+    branch_free.defjvp(branch_free_jvp, symbolic_zeros=True)
+    return branch_free(go, consts, args)
+
+
+def reference(
+    go: jax.Array,
+    jaxpr: jax.extend.core.Jaxpr,
+    kept: Callable[[Sequence[Any]], list[Any]],
+    num_grads: int,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+) -> list[Any]:
+    """The skip as one ``lax.cond``: ``jaxpr`` evaluated where ``go``,
+    ``kept(args)`` where not. The taken branch reads the gradients zeroed
+    where the step is skipped, which changes nothing where ``lax.cond`` is a
+    branch and keeps a ``vmap``-ped one (both branches run, and a selection)
+    from differentiating through non-finite gradients."""
+
+    def taken(consts, args):
+        return jax.core.eval_jaxpr(jaxpr, consts, *_zero_gradients(go, args, num_grads))
+
+    def skipped(consts, args):
+        del consts
+        return list(kept(args))
+
+    return jax.lax.cond(go, taken, skipped, list(consts), list(args))
+
+
+def _is_symbolic_zero(x: Any) -> bool:
+    return isinstance(x, jax.custom_derivatives.SymbolicZero)
+
+
+def _concrete(go: Any) -> bool | None:
+    """``go`` as a Python bool where it is known while tracing (an eager
+    step, or an eager ``jax.grad``), else None."""
+    try:
+        return bool(go)
+    except jax.errors.ConcretizationTypeError:
+        return None
+
+
+def _zero_gradients(go: jax.Array, args: Sequence[Any], num_grads: int) -> list[Any]:
+    """``args`` with its first ``num_grads`` floating leaves zeroed where
+    ``go`` is False, so that nothing computed from them there is
+    non-finite."""
+
+    def zeroed(g):
+        if hasattr(g, "dtype") and jnp.issubdtype(g.dtype, jnp.inexact):
+            return jnp.where(go, g, jnp.zeros((), g.dtype))
+        return g
+
+    return [zeroed(g) for g in args[:num_grads]] + list(args[num_grads:])
+
+
+def _evaluate_selecting(
+    jaxpr: jax.extend.core.Jaxpr,
+    consts: Sequence[Any],
+    args: Sequence[Any],
+    go: jax.Array,
+    old: Mapping[int, Any],
+    suspect: Any,
+) -> list[Any]:
+    """Evaluates ``jaxpr`` and returns its outputs, output ``i`` (for each
+    ``i`` in ``old``) as ``select(go, new, old[i])``, selected where an
+    equation produces it so that every later equation reads the selected
+    value (the module docstring says why), and once more on the way out
+    where that did not already choose against ``old[i]`` (one value returned
+    as two state leaves, an input or a literal returned as it is).
+
+    The inputs at the positions ``suspect`` (the zeroed gradients) and every
+    selected value hold, on a skipped step, what the update's formulas never
+    read; every ``GUARDED`` operation on a value computed from them reads a
+    safe value there instead."""
     chosen: dict[Any, Any] = {}
     for index, var in enumerate(jaxpr.outvars):
         if index in old and not isinstance(var, jax.extend.core.Literal):
             chosen.setdefault(var, old[index])
-    for var, value in [*zip(jaxpr.constvars, closed.consts, strict=True), *zip(jaxpr.invars, args, strict=True)]:
-        env[var] = value
-    for eqn in jaxpr.eqns:
-        bind_params, subfuns = eqn.primitive.get_bind_params(eqn.params), ()
-        if isinstance(bind_params, tuple):  # jax < 0.9 returns (subfuns, params)
-            subfuns, bind_params = bind_params
-        results = eqn.primitive.bind(*subfuns, *map(read, eqn.invars), **bind_params)
-        if not eqn.primitive.multiple_results:
-            results = [results]
-        for var, value in zip(eqn.outvars, results, strict=True):
-            # (An unused output, a DropVar, is never read back.)
-            env[var] = select(go, value, chosen[var]) if var in chosen else value
+    selected: set[Any] = set()
+
+    def after(var, value, is_suspect):
+        if var in chosen:
+            selected.add(var)
+            return select(go, value, chosen[var]), True
+        return value, is_suspect
+
+    env, tainted = _evaluate(jaxpr, consts, args, go, set(suspect), after)
+    del tainted
     outputs = []
     for index, var in enumerate(jaxpr.outvars):
-        value = read(var)
         literal = isinstance(var, jax.extend.core.Literal)
-        if index in old and (literal or chosen.get(var) is not old[index]):
+        value = var.val if literal else env[var]
+        if index in old and (literal or var not in selected or chosen[var] is not old[index]):
             value = select(go, value, old[index])
         outputs.append(value)
     return outputs
+
+
+def _evaluate(jaxpr, consts, args, go, suspect_inputs, after=None):
+    """``jaxpr`` on ``consts`` and ``args``, entering the calls of
+    ``_CALL_BODY`` that read a suspect value and guarding every ``GUARDED``
+    operation on one; returns the environment and the set of suspect
+    variables. ``after(var, value, suspect)``, when given, sees each
+    top-level result and returns it (possibly selected) with its suspicion."""
+    env: dict[Any, Any] = {}
+    tainted: set[Any] = set()
+
+    def read(var):
+        return var.val if isinstance(var, jax.extend.core.Literal) else env[var]
+
+    def is_suspect(var):
+        return not isinstance(var, jax.extend.core.Literal) and var in tainted
+
+    for var, value in zip(jaxpr.constvars, consts, strict=True):
+        env[var] = value
+    for position, (var, value) in enumerate(zip(jaxpr.invars, args, strict=True)):
+        env[var] = value
+        if position in suspect_inputs:
+            tainted.add(var)
+    for eqn in jaxpr.eqns:
+        values = [read(v) for v in eqn.invars]
+        suspects = [is_suspect(v) for v in eqn.invars]
+        name = eqn.primitive.name
+        body = _CALL_BODY.get(name)
+        if body is not None and any(suspects):
+            inner = eqn.params[body]
+            inner_consts = list(getattr(inner, "consts", ()))
+            inner_jaxpr = getattr(inner, "jaxpr", inner)
+            inner_env, inner_tainted = _evaluate(
+                inner_jaxpr, inner_consts, values, go, {i for i, s in enumerate(suspects) if s}
+            )
+            results = [v.val if isinstance(v, jax.extend.core.Literal) else inner_env[v] for v in inner_jaxpr.outvars]
+            out_suspects = [
+                not isinstance(v, jax.extend.core.Literal) and v in inner_tainted for v in inner_jaxpr.outvars
+            ]
+        else:
+            if name in GUARDED and any(suspects):
+                positions, safe = GUARDED[name]
+                values = [
+                    _guard(go, value, safe) if i in positions and suspects[i] else value
+                    for i, value in enumerate(values)
+                ]
+            if name == "integer_pow" and eqn.params["y"] < 0 and suspects[0]:
+                values[0] = _guard(go, values[0], 1.0)
+            bind_params, subfuns = eqn.primitive.get_bind_params(eqn.params), ()
+            if isinstance(bind_params, tuple):  # jax < 0.9 returns (subfuns, params)
+                subfuns, bind_params = bind_params
+            results = eqn.primitive.bind(*subfuns, *values, **bind_params)
+            if not eqn.primitive.multiple_results:
+                results = [results]
+            out_suspects = [any(suspects)] * len(results)
+        for var, value, was_suspect in zip(eqn.outvars, results, out_suspects, strict=True):
+            # (An unused output, a DropVar, is never read back.)
+            if after is not None:
+                value, was_suspect = after(var, value, was_suspect)
+            env[var] = value
+            if was_suspect:
+                tainted.add(var)
+    return env, tainted
+
+
+def _guard(go: jax.Array, value: Any, safe: float) -> Any:
+    """``value`` where ``go``, else ``safe`` (an operand on which a
+    ``GUARDED`` operation is finite)."""
+    if not hasattr(value, "dtype") or not jnp.issubdtype(value.dtype, jnp.inexact):
+        if hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.integer):
+            return jnp.where(go, value, jnp.ones((), value.dtype))
+        return value
+    return jnp.where(go, value, jnp.asarray(safe, value.dtype))
 
 
 def kept_inner_state(before: optax.OptState, after: optax.OptState) -> optax.OptState:

@@ -33,10 +33,10 @@ from loss_scale._rules.segmented import SegmentedRule, SegmentPeaks
 from loss_scale._saturating import increment
 from loss_scale._settings import Settings
 from loss_scale._sharding import match_varying, zeros_like_shapes
-from loss_scale._skip import kept_inner_state, run_selecting, runs_unconditionally
+from loss_scale._skip import apply_or_skip, kept_inner_state
 from loss_scale._state import LossScaleState, SkipReason, StepRecord
 from loss_scale._trees import first_difference
-from loss_scale._unscale import is_float_leaf, unscale_tree
+from loss_scale._unscale import unscale_tree
 
 
 class LossScaleTransformation(optax.GradientTransformationExtraArgs):
@@ -209,9 +209,10 @@ def loss_scaled(inner: Any, rule: Rule, settings: Settings) -> LossScaleTransfor
 
 def _apply_or_skip(go, apply, grads, inner_state, params, apply_to_params):
     """``apply(grads, inner_state, params)`` where ``go``, else zero updates
-    (or, fused, the params as they were) and ``inner_state`` unchanged: with
-    no branch where the inner update allows it (``_skip.py``), else one
-    ``lax.cond``.
+    (or, fused, the params as they were) and ``inner_state`` unchanged: one
+    ``lax.cond``, or a form that equals it (``_skip.py``: the branch chosen
+    in Python for an eager step, no branch where the inner update allows
+    it).
 
     ``apply`` is traced once, by ``make_jaxpr``: its jaxpr is the taken
     branch, and its output types give the skip branch its shapes (tracing
@@ -220,34 +221,25 @@ def _apply_or_skip(go, apply, grads, inner_state, params, apply_to_params):
     exactly, ``shard_map`` axis types included, so both branches agree."""
     traced, out_shapes = jax.make_jaxpr(apply, return_shape=True)(grads, inner_state, params)
     kept_inner_state(inner_state, out_shapes[1])  # raises here, outside the cond, if it must
-    run_traced = jax.extend.core.jaxpr_as_fun(traced)
     out_treedef = jax.tree.structure(out_shapes)
     # The jaxpr's output types, whose shard_map axis types the skip branch
     # must match (older jax leaves them off the returned shapes).
     out_types = jax.tree.unflatten(out_treedef, traced.out_avals)
+    leaves, in_treedef = jax.tree.flatten((grads, inner_state, params))
 
-    def taken(grads, inner_state, params):
-        return jax.tree.unflatten(out_treedef, run_traced(*jax.tree.leaves((grads, inner_state, params))))
-
-    def skip(grads, inner_state, params):
-        del grads
+    def kept(leaves):
+        _, inner_state, params = jax.tree.unflatten(in_treedef, leaves)
         inner_state = kept_inner_state(inner_state, out_types[1])
         if apply_to_params:
             # The params as they were: nothing is written, nothing is added.
-            return jax.tree.map(match_varying, params, out_types[0]), inner_state
-        return zeros_like_shapes(out_types[0]), inner_state
+            return jax.tree.leaves((jax.tree.map(match_varying, params, out_types[0]), inner_state))
+        return jax.tree.leaves((zeros_like_shapes(out_types[0]), inner_state))
 
-    if not runs_unconditionally(traced):
-        return jax.lax.cond(go, taken, skip, grads, inner_state, params)
-    # Without a branch (loss_scale/_skip.py explains why): the update runs
-    # on every step, on zeros where the step is skipped (so that nothing it
-    # computes there is non-finite, and a derivative through a skipped step
-    # stays 0), and every output is the kept one there, bit for bit.
-    zeroed = jax.tree.map(lambda g: jnp.where(go, g, jnp.zeros((), g.dtype)) if is_float_leaf(g) else g, grads)
-    kept = dict(enumerate(jax.tree.leaves(skip(grads, inner_state, params))))
-    return jax.tree.unflatten(
-        out_treedef, run_selecting(traced, go, kept, jax.tree.leaves((zeroed, inner_state, params)))
-    )
+    def taken(leaves):
+        return jax.tree.leaves(apply(*jax.tree.unflatten(in_treedef, leaves)))
+
+    outputs = apply_or_skip(go, traced, taken, kept, len(jax.tree.leaves(grads)), leaves)
+    return jax.tree.unflatten(out_treedef, outputs)
 
 
 def _initial_state(rule: Rule, inner_state: optax.OptState, settings: Settings, num_leaves: int) -> LossScaleState:

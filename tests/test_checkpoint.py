@@ -181,3 +181,44 @@ def test_a_dynamic_checkpoint_resumes_under_predictive_keeping_the_inner_state(t
             tmp_path / "ckpt",
             jax.tree.map(ocp.utils.to_shape_dtype_struct, {"params": params, "opt_state": new_tx.init(params)}),
         )
+
+
+def _segmented(names):
+    return ls.predictive(optax.adam(1e-3), initial_scale=2.0**8, segments=names)
+
+
+@pytest.mark.parametrize(
+    "saved, restored",
+    [
+        (("embed", "body"), ("encoder", "decoder")),
+        (("embed", "body"), ("embed", "head")),
+        (("a" * 70,), ("a" * 69 + "b",)),
+    ],
+    ids=["other-names", "one-name-differs", "long-names"],
+)
+def test_segment_names_are_checked_on_restore(tmp_path, saved, restored):
+    # The exponents belong to the boundaries by name: a state saved with
+    # some names and restored (as the guide shows) into an optimizer with
+    # others is refused, naming both lists, not trained on with the
+    # exponents on the wrong boundaries.
+    params = {"w": jnp.ones(3)}
+    state = _segmented(saved).init(params)
+    state = state._replace(
+        counters=state.counters._replace(segments=state.counters.segments.replace(exponent=jnp.array([5] * len(saved))))
+    )
+    with ocp.StandardCheckpointer() as checkpointer:
+        checkpointer.save(tmp_path / "ckpt", state)
+    with ocp.StandardCheckpointer() as checkpointer, pytest.raises(ValueError) as error:
+        checkpointer.restore(tmp_path / "ckpt", _segmented(restored).init(params))
+    message = str(error.value)
+    assert str(sorted(restored)) in message, message
+    if len(saved[0]) <= 64:
+        assert str(sorted(saved)) in message, message
+    else:  # cut to 60 bytes and its CRC-32: the saved name's start is shown
+        assert saved[0][:60] in message, message
+    # The same names restore, the exponents on their boundaries.
+    with ocp.StandardCheckpointer() as checkpointer:
+        same = checkpointer.restore(tmp_path / "ckpt", _segmented(saved).init(params))
+    assert same.counters.segments.exponents() == dict.fromkeys(sorted(saved), 5)
+    tx = _segmented(saved)
+    jax.jit(tx.update)({"w": jnp.ones(3)}, same, params)  # and train on

@@ -34,9 +34,50 @@ def test_find_state_errors_are_clear():
     with pytest.raises(ValueError, match="no LossScaleState found .* loss_scale.dynamic"):
         ls.get_scale(optax.adam(1e-3).init(jnp.zeros(2)))
     two = optax.chain(ls.static(optax.identity(), 2.0), ls.static(optax.sgd(1.0), 4.0)).init(jnp.zeros(2))
-    with pytest.raises(ValueError, match="found 2 LossScaleStates"):
+    with pytest.raises(
+        ValueError, match=r"holds 2 loss-scaling states \(at \[0\], \[1\]\).*Wrap the whole optimizer once"
+    ):
         ls.get_scale(two)
     assert float(ls.get_scale(two[1])) == 4.0
+
+
+def test_sibling_loss_scalers_are_refused_with_the_fix_that_works():
+    # optax.chain(ls.dynamic(clip), ls.dynamic(adam)) divides the gradients
+    # by both scales; the message must lead to one wrapper around the whole
+    # optimizer, never to passing one part of the state (which trains with
+    # gradients divided twice).
+    params = jnp.ones(3)
+    siblings = optax.chain(ls.dynamic(optax.clip(1.0)), ls.dynamic(optax.adam(1e-3)))
+    state = siblings.init(params)
+    for call in (
+        lambda: ls.value_and_grad(lambda p: jnp.sum(p**2))(state, params),
+        lambda: ls.value_grad_and_peak(lambda p: jnp.sum(p**2))(state, params),
+        lambda: ls.scale_loss(jnp.float32(1.0), state),
+        lambda: ls.metrics(state),
+    ):
+        with pytest.raises(ValueError) as error:
+            call()
+        message = str(error.value)
+        assert "2 loss-scaling states" in message and "Wrap the whole optimizer once" in message, message
+        assert "pass the part" not in message
+    multi = optax.multi_transform(
+        {"a": ls.dynamic(optax.sgd(0.1)), "b": ls.dynamic(optax.adam(0.1))}, {"x": "a", "y": "b"}
+    )
+    with pytest.raises(ValueError, match="2 loss-scaling states"):
+        ls.value_and_grad(lambda p: p["x"] + p["y"])(multi.init({"x": 1.0, "y": 2.0}), {"x": 1.0, "y": 2.0})
+    # The fix the message gives trains with one division.
+    once = ls.dynamic(optax.chain(optax.clip(1.0), optax.adam(1e-3)), initial_scale=2.0**10)
+    state = once.init(params)
+    _, grads = ls.value_and_grad(lambda p: jnp.sum(p**2))(state, params)
+    updates, _ = once.update(grads, state, params)
+    np.testing.assert_allclose(updates, -1e-3 * np.ones(3), rtol=1e-3)
+
+
+def test_the_missing_state_message_lists_every_factory():
+    with pytest.raises(ValueError) as error:
+        ls.value_and_grad(lambda p: jnp.sum(p))(optax.adam(1e-3).init(jnp.zeros(2)), jnp.zeros(2))
+    for factory in ("dynamic", "static", "no_op", "predictive", "for_dtype", "Policy.loss_scaling", "presets.torch"):
+        assert factory in str(error.value), (factory, str(error.value))
 
 
 def test_value_and_grad_returns_unscaled_loss_and_scaled_grads():

@@ -319,9 +319,20 @@ def is_fused(tx) -> bool:
     after it."""
     state = tx.init(PARAMS)
     closed = jax.make_jaxpr(functools.partial(ls.apply_gradients, tx))(scaled_grads(1.0, 1.0), state, PARAMS)
-    produced_by = {id(v): e.primitive.name for e in closed.jaxpr.eqns for v in e.outvars}
     new_params = closed.jaxpr.outvars[: len(jax.tree.leaves(PARAMS))]
-    return all(produced_by.get(id(v)) in ("cond", "select_n") for v in new_params)
+    return all(_chosen(closed.jaxpr, v) for v in new_params)
+
+
+def _chosen(jaxpr, var) -> bool:
+    """Whether ``var`` is an output of a ``lax.cond`` or a ``select_n``,
+    looking through the ``custom_jvp`` function that holds the select path."""
+    for eqn in jaxpr.eqns:
+        if any(v is var for v in eqn.outvars):
+            if eqn.primitive.name == "custom_jvp_call":
+                inner = eqn.params["call_jaxpr"].jaxpr
+                return _chosen(inner, inner.outvars[[id(v) for v in eqn.outvars].index(id(var))])
+            return eqn.primitive.name in ("cond", "select_n")
+    return False
 
 
 def one_update(tx):

@@ -14,6 +14,8 @@ cotangents are smaller than the largest.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import zlib
 from typing import Any, NamedTuple
 
 import jax
@@ -47,6 +49,61 @@ INITIAL_MARGIN = 2
 # float32's range (flushed in a float32 run too); lifting it would only
 # risk overflows.
 MAX_CUMULATIVE = 100
+
+
+# The bytes each boundary name is saved in (SegmentTable.name_bytes).
+NAME_BYTES = 64
+
+
+@functools.lru_cache(maxsize=64)
+def encode_names(names: tuple[str, ...]) -> np.ndarray:
+    """``names`` as uint8[len(names), NAME_BYTES]: UTF-8, zero-padded; a
+    longer name keeps its first NAME_BYTES - 4 bytes and its CRC-32."""
+    rows = np.zeros((len(names), NAME_BYTES), np.uint8)
+    for i, name in enumerate(names):
+        data = name.encode()
+        if len(data) > NAME_BYTES:
+            data = data[: NAME_BYTES - 4] + zlib.crc32(data).to_bytes(4, "little")
+        rows[i, : len(data)] = np.frombuffer(data, np.uint8)
+    rows.setflags(write=False)
+    return rows
+
+
+def decode_names(rows: np.ndarray) -> list[str]:
+    """The names ``encode_names`` saved (a cut name ends with its CRC-32's
+    bytes, shown escaped)."""
+    return [bytes(row).rstrip(b"\0").decode(errors="backslashreplace") for row in np.asarray(rows)]
+
+
+def _check_restored_names(names: tuple[str, ...], saved: Any) -> None:
+    """Raises if ``saved`` (a table's ``name_bytes`` being rebuilt into a
+    table with ``names``) holds other names. Only arrays whose values are
+    already on hand are read (a checkpoint just restored): tracers, shapes,
+    and a step's outputs still being computed are left alone, so that no
+    step waits on this."""
+    if isinstance(saved, jax.core.Tracer) or not isinstance(saved, np.ndarray | jax.Array):
+        return
+    if isinstance(saved, jax.Array):
+        try:
+            if saved.is_deleted() or not saved.is_fully_addressable or not saved.is_ready():
+                return
+        except Exception:  # an array kind without these queries: nothing to check against
+            return
+    expected = encode_names(tuple(names))
+    if saved.dtype != np.uint8 or tuple(saved.shape[-2:]) != expected.shape:
+        return
+    value = np.asarray(saved)
+    if np.array_equal(value, np.broadcast_to(expected, value.shape)):
+        return
+    rows = value.reshape(-1, *expected.shape)
+    differing = next(row for row in rows if not np.array_equal(row, expected))
+    raise ValueError(
+        f"the per-segment state was saved for the boundaries {decode_names(differing)}, and it is being "
+        f"restored into an optimizer whose boundaries are {list(names)}: each exponent belongs to its "
+        "boundary by name (and position). Build the optimizer with the saved names "
+        "(loss_scale.predictive(..., segments=...)), or keep only the inner optimizer's state and start the "
+        "segments afresh (loss_scale.wrap_opt_state)"
+    )
 
 
 @jax.tree_util.register_pytree_node_class
@@ -127,7 +184,12 @@ class SegmentTable:
     segment (the boundaries' and ``"loss"``, the loss's own), in a few
     arrays rather than a scalar per name (each state leaf is a buffer a
     step reads and writes). ``names`` is static (pytree metadata): a state
-    restored into an optimizer with other segments fails the layout check.
+    made by an optimizer with other segments fails the update's layout
+    check. A checkpointer restores the arrays into the target's structure,
+    names included, so the names are also saved as data (``name_bytes``):
+    a table whose saved names differ from its target's (other names, or
+    another order) raises a ``ValueError`` naming both lists when it is
+    rebuilt from restored arrays.
 
     Attributes:
       names: the boundaries' names, sorted.
@@ -144,6 +206,9 @@ class SegmentTable:
         elements that were exactly 0 at the last measurement.
       below_normal_fraction: float32[n + 1]: the fraction below the compute
         dtype's smallest normal (flushed or subnormal).
+      name_bytes: uint8[n, 64]: ``names`` as data, each UTF-8 and
+        zero-padded (a name longer than 64 bytes is cut to 60 and ends with
+        its CRC-32), checked against ``names`` on restore.
 
     Examples:
       >>> import jax.numpy as jnp, optax, loss_scale as ls
@@ -161,12 +226,14 @@ class SegmentTable:
         peak: jax.Array,
         zero_fraction: jax.Array,
         below_normal_fraction: jax.Array,
+        name_bytes: Any,
     ):
         self.names = tuple(names)
         self.exponent, self.margin, self.peak = exponent, margin, peak
         self.zero_fraction, self.below_normal_fraction = zero_fraction, below_normal_fraction
+        self.name_bytes = name_bytes
 
-    _FIELDS = ("exponent", "margin", "peak", "zero_fraction", "below_normal_fraction")
+    _FIELDS = ("exponent", "margin", "peak", "zero_fraction", "below_normal_fraction", "name_bytes")
 
     def tree_flatten_with_keys(self):
         return [(jax.tree_util.GetAttrKey(f), getattr(self, f)) for f in self._FIELDS], self.names
@@ -176,6 +243,7 @@ class SegmentTable:
 
     @classmethod
     def tree_unflatten(cls, names, children):
+        _check_restored_names(names, children[-1])
         return cls(names, *children)
 
     def __repr__(self) -> str:
@@ -295,6 +363,7 @@ class SegmentedRule(PredictiveRule):
             jnp.zeros((n,), jnp.int32),
             jnp.full((n,), INITIAL_MARGIN, jnp.int32),
             *(jnp.zeros((n + 1,), jnp.float32) for _ in range(3)),
+            jnp.asarray(encode_names(self.segments)),
         )
         return RuleState(start.scale, start.good_steps, SegmentCounters(*start.counters, table))
 
@@ -439,6 +508,7 @@ class SegmentedRule(PredictiveRule):
             exponent,
             table.margin,
             *(jnp.stack(column).astype(jnp.float32) for column in values.values()),
+            table.name_bytes,
         )
 
 
