@@ -229,6 +229,8 @@ def _concrete(go: Any) -> bool | None:
         return bool(go)
     except jax.errors.ConcretizationTypeError:
         return None
+    except RuntimeError:  # an array spread over other processes' devices
+        return None
 
 
 def _zero_gradients(go: jax.Array, args: Sequence[Any], num_grads: int) -> list[Any]:
