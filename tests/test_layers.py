@@ -32,6 +32,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "_validate",
         "_signatures",
         "_skip",
+        "_jaxpr",
     ),
     "rules": ("_rules",),
     "state": ("_state", "_settings", "_find", "_errors"),

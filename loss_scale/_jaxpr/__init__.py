@@ -1,0 +1,116 @@
+"""One interpreter for jaxprs: a closed jaxpr evaluated equation by
+equation, with per-equation hooks, owning once what every walker of the
+package needs (issue 32): entering or rebuilding the primitives that hold
+jaxprs, literals and constants, effects, and the differences between the
+jax versions the package declares (0.8.0 to 0.10.x).
+
+Usage::
+
+    outs = Interpreter(hooks).run(closed_jaxpr, args)
+
+with ``hooks`` a ``Hooks`` subclass (every default evaluates the program
+as it is):
+
+* ``mode(eqn, labels, frame) -> Mode``: for an equation that holds a jaxpr,
+  ``Mode.KEEP`` (bound as it is), ``Mode.ENTER`` (its body evaluated
+  inline, in the caller's trace, with the same hooks) or ``Mode.REBUILD``
+  (its body traced through the interpreter into a new body and the
+  primitive bound again: control flow stays control flow, a checkpoint
+  keeps its policy and ``prevent_cse``, a custom_jvp/custom_vjp its rule).
+* ``equation(Equation, invals, bind) -> outs``: called for every equation
+  of every jaxpr evaluated (the structured equation itself, then, when
+  entered or rebuilt, the equations of its body); ``bind(invals)`` is the
+  default behaviour in the equation's mode. ``Equation`` carries the
+  equation, its index, its ``Frame`` (scope, path, enclosing primitives,
+  the client's ``data``), its mode, its inputs' labels and ``read``.
+* ``propagate(eqn, labels, frame) -> labels``: the outputs' labels of an
+  equation bound as it is (default: the union of the inputs'). Labels are
+  frozensets of client tags; bodies entered or rebuilt propagate equation
+  by equation, loops to a fixed point (``Interpreter.labels`` does it
+  without evaluating anything).
+* ``inputs``/``outputs(jaxpr, values, frame)``: a jaxpr's values on the
+  way in and out (a rescale on entering a branch, on leaving a body).
+* ``child_data(eqn, body, frame)``: ``Frame.data`` of a body (a plan).
+
+What each primitive supports (``KEEP`` always; ``REBUILD`` of an
+equation with effects binds it as it is, so that its effects keep their
+place among the program's):
+
+==========================  =====  =======  ==========================
+primitive                   ENTER  REBUILD  rebuilt with
+==========================  =====  =======  ==========================
+``pjit``/``jit``            yes    yes      ``jax.jit`` (inline,
+                                            keep_unused; shardings
+                                            inferred again)
+``closed_call``/            yes    no       (entering gives its values)
+``core_call``
+``checkpoint``/``remat2``   yes    yes      ``jax.checkpoint`` (policy,
+                                            prevent_cse)
+``custom_jvp_call``         yes    yes      the equation, new body,
+                                            same rule
+``custom_vjp_call``         yes    yes      the equation, new body,
+(``custom_vjp_call_jaxpr``)                 same fwd/bwd
+``cond``                    no     yes      ``lax.switch``
+``scan``                    no     yes      ``lax.scan`` (length,
+                                            reverse, unroll)
+``while``                   no     yes      ``lax.while_loop``
+``shard_map``               no     yes      ``jax.shard_map`` (mesh,
+                                            specs, check_vma, axes)
+==========================  =====  =======  ==========================
+
+Entering a ``custom_jvp``/``custom_vjp`` drops its rule: derivatives are
+then those of its body. Rebuilding one traces its body apart from the
+caller, so hooks must not make it read the caller's traced values (the
+interpreter raises; enter it instead).
+
+How the package's walkers map onto it (they move onto it in a later step):
+
+* ``_probe.Evaluator`` (``value_grad_and_peak``, ``range_report``): mode
+  ENTER for jit/closed_call/checkpoint, KEEP for the rest; ``equation``
+  probes the outputs of every kept equation (``bind`` then ``v + p``),
+  the site described by ``Frame.scope`` and the name stack; the
+  dependence on the differentiated inputs stays a tracer test.
+* ``_segments.analysis`` (a backward pass over the structure, not an
+  evaluation): ``structure_of``/``sub_jaxprs`` for the bodies, and
+  ``Interpreter.labels`` with a label per differentiated input replacing
+  ``_dependent``/``_body_dependence`` (the scan fixed point).
+* ``_segments.evaluate.Evaluator``: ``Frame.data`` holds the ``Plan`` of
+  each body (``child_data`` picks ``plan.inner[index]``); ``inputs``/
+  ``outputs`` apply ``in_rescales`` and the ``(OUT, j)`` rescales;
+  ``equation`` rewrites markers and rescales/recasts inputs (``read``)
+  and probes outputs; mode ENTER for calls, REBUILD for a checkpoint or
+  ``cond`` whose plan rewrites (or when measuring), KEEP otherwise; a
+  scan with per-step tables is the client's own ``equation`` that calls
+  ``lax.scan`` around ``Interpreter.evaluate`` of the body.
+* ``_segments.marker``: ``marker_name`` stays a predicate on an
+  equation, used by the two above.
+* ``_skip._evaluate``/``_evaluate_selecting``: labels ``{"suspect"}`` on
+  the gradients; ``mode`` ENTER for calls (checkpoint and custom
+  calls included) that read a suspect value; ``equation`` guards
+  ``GUARDED`` operations on suspect inputs and, at the top frame, selects
+  the outputs that are state leaves; ``propagate`` marks selected outputs
+  suspect.
+"""
+
+from loss_scale._jaxpr._compat import bind, closed_parts, is_dropped, is_literal, sub_jaxprs
+from loss_scale._jaxpr._hooks import NO_LABELS, Equation, Frame, Hooks, Labels, Mode
+from loss_scale._jaxpr._interpreter import Interpreter
+from loss_scale._jaxpr._structured import TABLE, Structure, structure_of
+
+__all__ = [
+    "NO_LABELS",
+    "TABLE",
+    "Equation",
+    "Frame",
+    "Hooks",
+    "Interpreter",
+    "Labels",
+    "Mode",
+    "Structure",
+    "bind",
+    "closed_parts",
+    "is_dropped",
+    "is_literal",
+    "structure_of",
+    "sub_jaxprs",
+]
