@@ -16,8 +16,10 @@ def is_literal(var: Any) -> bool:
 
 
 def is_dropped(var: Any) -> bool:
-    """Whether an equation's output is one nobody reads (``_``)."""
-    return isinstance(var, jex.DropVar)
+    """Whether an equation's output is one nobody reads (``_``).
+    ``jax.extend.core`` exports ``DropVar`` only from jax 0.9; the class has
+    that name in every declared version."""
+    return type(var).__name__ == "DropVar"
 
 
 def bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
