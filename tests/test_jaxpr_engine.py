@@ -253,12 +253,16 @@ X = jnp.array([0.3, -0.7, 1.2, 0.05], jnp.float32)
 def test_identity_is_bit_identical(name, mode):
     f, reverse, forward = CORPUS[name]
     g = interpreted(f, MODES[mode](), X)
-    assert_identical(g(X), f(X))
     if mode.startswith("enter") and name in ENTERED_REFERENCE:
-        # Entering drops the rules: the derivatives are those of another
-        # program, fused differently, so equal within rounding only.
+        # Entering evaluates a custom function's body op by op where the
+        # call ran it as one computation, and drops its rules: values and
+        # derivatives are those of another program, fused differently
+        # (with XLA_FLAGS=--xla_cpu_max_isa=AVX2 the values differ by an
+        # ulp), so equal within rounding only.
+        np.testing.assert_allclose(g(X), f(X), rtol=1e-6)
         np.testing.assert_allclose(jax.grad(g)(X), jax.grad(ENTERED_REFERENCE[name])(X), rtol=1e-6)
         return
+    assert_identical(g(X), f(X))
     check_identity(f, g, X, reverse, forward)
 
 
@@ -270,10 +274,11 @@ def test_identity_with_x64(name, mode):
         x = X.astype(jnp.float64)
         g = interpreted(f, MODES[mode](), x)
         assert g(x).dtype == jnp.float64
-        assert_identical(g(x), f(x))
         if mode.startswith("enter") and name in ENTERED_REFERENCE:
+            np.testing.assert_allclose(g(x), f(x), rtol=1e-12)
             np.testing.assert_allclose(jax.grad(g)(x), jax.grad(ENTERED_REFERENCE[name])(x), rtol=1e-12)
             return
+        assert_identical(g(x), f(x))
         check_identity(f, g, x, reverse, forward)
 
 
@@ -475,7 +480,10 @@ SHARD_MAP = textwrap.dedent(
 
     def local(w, x):
         def body(c, _):
-            c = jax.lax.cond(jnp.sum(c) > 0, jax.jit(lambda v: jnp.sin(v) * w), jnp.cos, c)
+            # The predicate agrees across devices: a branch whose derivative
+            # holds a collective (the psum of w's cotangent) must be taken
+            # by every device, or their rendezvous never completes.
+            c = jax.lax.cond(jax.lax.pmax(jax.lax.stop_gradient(jnp.sum(c)), "d") > 0, jax.jit(lambda v: jnp.sin(v) * w), jnp.cos, c)
             return c, None
         h = jax.lax.scan(body, x, length=2)[0]
         return jax.lax.psum(jnp.sum(h * w), "d"), jax.lax.pmean(h, "d")
@@ -507,15 +515,10 @@ SHARD_MAP = textwrap.dedent(
 )
 
 
-@pytest.mark.xfail(
-    reason="the subprocess stalls in XLA:CPU's all-reduce rendezvous (one of two device threads never arrives) "
-    "on this shared 2-core machine; not yet diagnosed whether the interpreter or the load causes it",
-    strict=False,
-)
 def test_identity_under_shard_map_on_two_devices():
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
     result = subprocess.run(
-        [sys.executable, "-c", SHARD_MAP], env=env, capture_output=True, text=True, timeout=300, check=False
+        [sys.executable, "-c", SHARD_MAP], env=env, capture_output=True, text=True, timeout=240, check=False
     )
     assert result.returncode == 0, result.stderr[-4000:]
     assert "shard_map identity OK" in result.stdout
