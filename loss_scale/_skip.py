@@ -58,6 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from loss_scale._jaxpr import NO_LABELS, Equation, Frame, Hooks, Interpreter, Mode, equations, is_literal
 from loss_scale._sharding import match_varying
 from loss_scale._trees import first_difference
 
@@ -86,20 +87,22 @@ GUARDED: Mapping[str, tuple[tuple[int, ...], float]] = {
     "digamma": ((0,), 1.0),
 }
 
-# Call-like primitives whose body the select path evaluates itself, to guard
-# the operations inside (the values are the call's, the derivatives the
+# Call-like primitives whose body the select path enters, to guard the
+# operations inside (the values are the call's, the derivatives the
 # reference's, so a custom derivative rule is not needed here).
-_CALL_BODY = {
-    "pjit": "jaxpr",
-    "jit": "jaxpr",
-    "closed_call": "call_jaxpr",
-    "core_call": "call_jaxpr",
-    "remat2": "jaxpr",
-    "checkpoint": "jaxpr",
-    "custom_jvp_call": "call_jaxpr",
-    "custom_vjp_call": "call_jaxpr",
-    "custom_vjp_call_jaxpr": "fun_jaxpr",
-}
+_CALLS = frozenset(
+    {
+        "pjit",
+        "jit",
+        "closed_call",
+        "core_call",
+        "remat2",
+        "checkpoint",
+        "custom_jvp_call",
+        "custom_vjp_call",
+        "custom_vjp_call_jaxpr",
+    }
+)
 
 
 def runs_unconditionally(closed: jax.extend.core.ClosedJaxpr) -> bool:
@@ -107,27 +110,7 @@ def runs_unconditionally(closed: jax.extend.core.ClosedJaxpr) -> bool:
     skipped ones: no effects, and no control flow at any depth."""
     if closed.effects:
         return False
-    stack = [closed.jaxpr]
-    while stack:
-        jaxpr = stack.pop()
-        for eqn in jaxpr.eqns:
-            if eqn.primitive.name in _CONTROL_FLOW:
-                return False
-            stack.extend(sub_jaxprs(eqn.params))
-    return True
-
-
-def sub_jaxprs(params: Mapping[str, Any]) -> list[Any]:
-    """The jaxprs among an equation's parameters (a call's ``jaxpr``, a
-    ``cond``'s ``branches``), open or closed."""
-    found = []
-    for value in params.values():
-        for item in value if isinstance(value, tuple | list) else (value,):
-            if hasattr(item, "eqns"):
-                found.append(item)
-            elif hasattr(getattr(item, "jaxpr", None), "eqns"):
-                found.append(item.jaxpr)
-    return found
+    return not any(eqn.primitive.name in _CONTROL_FLOW for eqn in equations(closed.jaxpr))
 
 
 def select(go: jax.Array, new: Any, old: Any) -> Any:
@@ -264,92 +247,70 @@ def _evaluate_selecting(
     The inputs at the positions ``suspect`` (the zeroed gradients) and every
     selected value hold, on a skipped step, what the update's formulas never
     read; every ``GUARDED`` operation on a value computed from them reads a
-    safe value there instead."""
+    safe value there instead (``_SelectPath``, the hooks of the package's
+    jaxpr interpreter)."""
     chosen: dict[Any, Any] = {}
     for index, var in enumerate(jaxpr.outvars):
-        if index in old and not isinstance(var, jax.extend.core.Literal):
+        if index in old and not is_literal(var):
             chosen.setdefault(var, old[index])
-    selected: set[Any] = set()
-
-    def after(var, value, is_suspect):
-        if var in chosen:
-            selected.add(var)
-            return select(go, value, chosen[var]), True
-        return value, is_suspect
-
-    env, tainted = _evaluate(jaxpr, consts, args, go, set(suspect), after)
-    del tainted
+    hooks = _SelectPath(go, chosen)
+    labels = [_SUSPECT if i in set(suspect) else NO_LABELS for i in range(len(jaxpr.invars))]
+    outs, _ = Interpreter(hooks).evaluate(jaxpr, consts, args, labels, Frame())
     outputs = []
-    for index, var in enumerate(jaxpr.outvars):
-        literal = isinstance(var, jax.extend.core.Literal)
-        value = var.val if literal else env[var]
-        if index in old and (literal or var not in selected or chosen[var] is not old[index]):
+    for index, (var, value) in enumerate(zip(jaxpr.outvars, outs, strict=True)):
+        literal = is_literal(var)
+        if index in old and (literal or var not in hooks.selected or chosen[var] is not old[index]):
             value = select(go, value, old[index])
         outputs.append(value)
     return outputs
 
 
-def _evaluate(jaxpr, consts, args, go, suspect_inputs, after=None):
-    """``jaxpr`` on ``consts`` and ``args``, entering the calls of
-    ``_CALL_BODY`` that read a suspect value and guarding every ``GUARDED``
-    operation on one; returns the environment and the set of suspect
-    variables. ``after(var, value, suspect)``, when given, sees each
-    top-level result and returns it (possibly selected) with its suspicion."""
-    env: dict[Any, Any] = {}
-    tainted: set[Any] = set()
+# The label of a value that holds, on a skipped step, what the update's
+# formulas never read: a zeroed gradient, a selected-back state value, or
+# anything computed from one.
+_SUSPECT = frozenset({"suspect"})
 
-    def read(var):
-        return var.val if isinstance(var, jax.extend.core.Literal) else env[var]
 
-    def is_suspect(var):
-        return not isinstance(var, jax.extend.core.Literal) and var in tainted
+class _SelectPath(Hooks):
+    """The select path's hooks: calls that read a suspect value are entered
+    (to guard what their bodies compute), every ``GUARDED`` operation reads
+    a safe value where its operand is suspect and the step is skipped, and
+    the top-level results that are new state values are selected against
+    the old ones where they are produced (and are suspect from then on)."""
 
-    for var, value in zip(jaxpr.constvars, consts, strict=True):
-        env[var] = value
-    for position, (var, value) in enumerate(zip(jaxpr.invars, args, strict=True)):
-        env[var] = value
-        if position in suspect_inputs:
-            tainted.add(var)
-    for eqn in jaxpr.eqns:
-        values = [read(v) for v in eqn.invars]
-        suspects = [is_suspect(v) for v in eqn.invars]
+    def __init__(self, go: jax.Array, chosen: Mapping[Any, Any]):
+        self.go, self.chosen = go, chosen
+        self.selected: set[Any] = set()
+
+    def mode(self, eqn: Any, labels: Sequence[Any], frame: Frame) -> Mode:
+        del frame
+        if eqn.primitive.name in _CALLS and any(label >= _SUSPECT for label in labels):
+            return Mode.ENTER
+        return Mode.KEEP
+
+    def equation(self, equation: Equation, invals: list[Any], bind: Any) -> list[Any]:
+        eqn, suspects = equation.eqn, [label >= _SUSPECT for label in equation.labels]
         name = eqn.primitive.name
-        body = _CALL_BODY.get(name)
-        if body is not None and any(suspects):
-            inner = eqn.params[body]
-            inner_consts = list(getattr(inner, "consts", ()))
-            inner_jaxpr = getattr(inner, "jaxpr", inner)
-            inner_env, inner_tainted = _evaluate(
-                inner_jaxpr, inner_consts, values, go, {i for i, s in enumerate(suspects) if s}
-            )
-            results = [v.val if isinstance(v, jax.extend.core.Literal) else inner_env[v] for v in inner_jaxpr.outvars]
-            out_suspects = [
-                not isinstance(v, jax.extend.core.Literal) and v in inner_tainted for v in inner_jaxpr.outvars
+        if name in GUARDED and any(suspects):
+            positions, safe = GUARDED[name]
+            invals = [_guard(self.go, v, safe) if i in positions and suspects[i] else v for i, v in enumerate(invals)]
+        if name == "integer_pow" and eqn.params["y"] < 0 and suspects[0]:
+            invals = [_guard(self.go, invals[0], 1.0)]
+        outs = bind(invals)
+        if equation.frame.depth == 0:
+            for i, var in enumerate(eqn.outvars):
+                if var in self.chosen:
+                    self.selected.add(var)
+                    outs[i] = select(self.go, outs[i], self.chosen[var])
+        return outs
+
+    def relabel(self, equation: Equation, labels: list[Any]) -> list[Any]:
+        if equation.frame.depth == 0:
+            return [
+                _SUSPECT | label if var in self.chosen else label
+                for var, label in zip(equation.eqn.outvars, labels, strict=True)
             ]
-        else:
-            if name in GUARDED and any(suspects):
-                positions, safe = GUARDED[name]
-                values = [
-                    _guard(go, value, safe) if i in positions and suspects[i] else value
-                    for i, value in enumerate(values)
-                ]
-            if name == "integer_pow" and eqn.params["y"] < 0 and suspects[0]:
-                values[0] = _guard(go, values[0], 1.0)
-            bind_params, subfuns = eqn.primitive.get_bind_params(eqn.params), ()
-            if isinstance(bind_params, tuple):  # jax < 0.9 returns (subfuns, params)
-                subfuns, bind_params = bind_params
-            results = eqn.primitive.bind(*subfuns, *values, **bind_params)
-            if not eqn.primitive.multiple_results:
-                results = [results]
-            out_suspects = [any(suspects)] * len(results)
-        for var, value, was_suspect in zip(eqn.outvars, results, out_suspects, strict=True):
-            # (An unused output, a DropVar, is never read back.)
-            if after is not None:
-                value, was_suspect = after(var, value, was_suspect)
-            env[var] = value
-            if was_suspect:
-                tainted.add(var)
-    return env, tainted
+        return labels
 
 
 def _guard(go: jax.Array, value: Any, safe: float) -> Any:

@@ -483,7 +483,8 @@ SHARD_MAP = textwrap.dedent(
             # The predicate agrees across devices: a branch whose derivative
             # holds a collective (the psum of w's cotangent) must be taken
             # by every device, or their rendezvous never completes.
-            c = jax.lax.cond(jax.lax.pmax(jax.lax.stop_gradient(jnp.sum(c)), "d") > 0, jax.jit(lambda v: jnp.sin(v) * w), jnp.cos, c)
+            agreed = jax.lax.pmax(jax.lax.stop_gradient(jnp.sum(c)), "d") > 0
+            c = jax.lax.cond(agreed, jax.jit(lambda v: jnp.sin(v) * w), jnp.cos, c)
             return c, None
         h = jax.lax.scan(body, x, length=2)[0]
         return jax.lax.psum(jnp.sum(h * w), "d"), jax.lax.pmean(h, "d")

@@ -13,7 +13,7 @@ import optax
 import pytest
 
 import loss_scale as ls
-from loss_scale._skip import sub_jaxprs
+from loss_scale._jaxpr import sub_jaxprs
 from tests._compare import assert_trees_bitwise
 
 PARAMS = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.array([-0.0, 1.0, 2.0])}

@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import jax
@@ -72,3 +72,14 @@ def sub_jaxprs(params: Any) -> list[Any]:
             elif hasattr(getattr(item, "jaxpr", None), "eqns"):
                 found.append(item.jaxpr)
     return found
+
+
+def equations(jaxpr: Any) -> Iterator[Any]:
+    """Every equation of the open ``jaxpr`` and of the jaxprs its
+    equations hold, at any depth (for questions about the whole program:
+    does it hold control flow?)."""
+    stack = [jaxpr]
+    while stack:
+        for eqn in stack.pop().eqns:
+            yield eqn
+            stack.extend(sub_jaxprs(eqn.params))

@@ -126,6 +126,14 @@ class Hooks:
         joined = NO_LABELS.union(*labels)
         return [joined] * len(eqn.outvars)
 
+    def relabel(self, equation: Equation, labels: list[Labels]) -> list[Labels]:
+        """The labels of an equation's outputs as later equations read
+        them, once they are known however it was evaluated (a client that
+        changed the outputs, e.g. selected them against old values, marks
+        them here)."""
+        del equation
+        return labels
+
     def inputs(self, jaxpr: Any, args: list[Any], frame: Frame) -> list[Any]:
         """A jaxpr's inputs as its equations will read them."""
         del jaxpr, frame

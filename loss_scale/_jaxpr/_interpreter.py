@@ -105,10 +105,11 @@ class Interpreter:
             out_labels[:] = tags
             return outs
 
-        outs = list(self.hooks.equation(Equation(eqn, index, frame, mode, labels, read), invals, default))
+        equation = Equation(eqn, index, frame, mode, labels, read)
+        outs = list(self.hooks.equation(equation, invals, default))
         if not out_labels:  # a hook that did not call ``bind``
             out_labels = self.hooks.propagate(eqn, labels, frame)
-        return outs, out_labels
+        return outs, list(self.hooks.relabel(equation, list(out_labels)))
 
     def labels(self, jaxpr: Any, labels: Sequence[Labels], frame: Frame) -> list[Labels]:
         """The labels of ``jaxpr``'s outputs, without evaluating it: the

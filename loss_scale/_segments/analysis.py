@@ -42,9 +42,9 @@ import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
+from loss_scale._jaxpr import sub_jaxprs
 from loss_scale._probe import _describe
 from loss_scale._segments.marker import call_site, marker_name
-from loss_scale._skip import sub_jaxprs
 
 Potential = tuple[int, ...]
 
