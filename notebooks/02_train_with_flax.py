@@ -148,7 +148,7 @@ plt.show()
 
 # %% [markdown]
 # The scale starts at $2^{15}$ and doubles every 40 clean steps until a gradient overflows
-# float16; that step is skipped (red cross), the scale halves, and training goes on. The
+# float16; such a step is skipped (a red cross), the scale halves, and training goes on. The
 # float16 loss follows the float32 one. On this small classification task float16 would
 # train well even without a scale (the gradients of a 10-class cross-entropy over 64
 # images stay inside float16's range); the next-token model below, with its softmax over
