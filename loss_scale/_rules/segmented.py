@@ -14,8 +14,6 @@ cotangents are smaller than the largest.
 from __future__ import annotations
 
 import dataclasses
-import functools
-import zlib
 from typing import Any, NamedTuple
 
 import jax
@@ -24,6 +22,7 @@ import numpy as np
 
 from loss_scale._rules import RuleState
 from loss_scale._rules.predictive import PredictiveCounters, PredictiveRule, _ceil_log2
+from loss_scale._rules.segment_names import check_restored_names, encode_names
 from loss_scale._types import LOSS_SEGMENT
 
 # Exponents stay within this, far inside float32's range.
@@ -49,61 +48,6 @@ INITIAL_MARGIN = 2
 # float32's range (flushed in a float32 run too); lifting it would only
 # risk overflows.
 MAX_CUMULATIVE = 100
-
-
-# The bytes each boundary name is saved in (SegmentTable.name_bytes).
-NAME_BYTES = 64
-
-
-@functools.lru_cache(maxsize=64)
-def encode_names(names: tuple[str, ...]) -> np.ndarray:
-    """``names`` as uint8[len(names), NAME_BYTES]: UTF-8, zero-padded; a
-    longer name keeps its first NAME_BYTES - 4 bytes and its CRC-32."""
-    rows = np.zeros((len(names), NAME_BYTES), np.uint8)
-    for i, name in enumerate(names):
-        data = name.encode()
-        if len(data) > NAME_BYTES:
-            data = data[: NAME_BYTES - 4] + zlib.crc32(data).to_bytes(4, "little")
-        rows[i, : len(data)] = np.frombuffer(data, np.uint8)
-    rows.setflags(write=False)
-    return rows
-
-
-def decode_names(rows: np.ndarray) -> list[str]:
-    """The names ``encode_names`` saved (a cut name ends with its CRC-32's
-    bytes, shown escaped)."""
-    return [bytes(row).rstrip(b"\0").decode(errors="backslashreplace") for row in np.asarray(rows)]
-
-
-def _check_restored_names(names: tuple[str, ...], saved: Any) -> None:
-    """Raises if ``saved`` (a table's ``name_bytes`` being rebuilt into a
-    table with ``names``) holds other names. Only arrays whose values are
-    already on hand are read (a checkpoint just restored): tracers, shapes,
-    and a step's outputs still being computed are left alone, so that no
-    step waits on this."""
-    if isinstance(saved, jax.core.Tracer) or not isinstance(saved, np.ndarray | jax.Array):
-        return
-    if isinstance(saved, jax.Array):
-        try:
-            if saved.is_deleted() or not saved.is_fully_addressable or not saved.is_ready():
-                return
-        except Exception:  # an array kind without these queries: nothing to check against
-            return
-    expected = encode_names(tuple(names))
-    if saved.dtype != np.uint8 or tuple(saved.shape[-2:]) != expected.shape:
-        return
-    value = np.asarray(saved)
-    if np.array_equal(value, np.broadcast_to(expected, value.shape)):
-        return
-    rows = value.reshape(-1, *expected.shape)
-    differing = next(row for row in rows if not np.array_equal(row, expected))
-    raise ValueError(
-        f"the per-segment state was saved for the boundaries {decode_names(differing)}, and it is being "
-        f"restored into an optimizer whose boundaries are {list(names)}: each exponent belongs to its "
-        "boundary by name (and position). Build the optimizer with the saved names "
-        "(loss_scale.predictive(..., segments=...)), or keep only the inner optimizer's state and start the "
-        "segments afresh (loss_scale.wrap_opt_state)"
-    )
 
 
 @jax.tree_util.register_pytree_node_class
@@ -243,7 +187,7 @@ class SegmentTable:
 
     @classmethod
     def tree_unflatten(cls, names, children):
-        _check_restored_names(names, children[-1])
+        check_restored_names(names, children[-1])
         return cls(names, *children)
 
     def __repr__(self) -> str:
