@@ -19,11 +19,13 @@ and the scale are constants.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import jax
 import jax.extend
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from loss_scale._check import gradient_stats
@@ -196,11 +198,15 @@ def loss_scaled(inner: Any, rule: Rule, settings: Settings) -> LossScaleTransfor
         params: optax.Params | None = None,
         **extra_args: Any,
     ) -> tuple[optax.Updates, LossScaleState]:
-        return step(updates, state, params, extra_args, apply_to_params=False)
+        _refuse_unscaled(updates)
+        out, state = step(updates, state, params, extra_args, apply_to_params=False)
+        _mark_unscaled(out, updates)
+        return out, state
 
     def apply_gradients_fn(
         grads: optax.Updates, state: LossScaleState, params: optax.Params, **extra_args: Any
     ) -> tuple[optax.Params, LossScaleState]:
+        _refuse_unscaled(grads)
         return step(grads, state, params, extra_args, apply_to_params=True)
 
     setattr(update_fn, FUSED_ATTRIBUTE, apply_gradients_fn)
@@ -240,6 +246,39 @@ def _apply_or_skip(go, apply, grads, inner_state, params, apply_to_params):
 
     outputs = apply_or_skip(go, traced, taken, kept, len(jax.tree.leaves(grads)), leaves)
     return jax.tree.unflatten(out_treedef, outputs)
+
+
+# The floating update arrays (or tracers) that a loss-scaling update has
+# returned and that are still alive, by id: gradients that arrive at another
+# loss-scaling update as one of these were divided by a scale already (two
+# loss-scaling transformations chained in one optimizer, which neither
+# state can show).
+_UNSCALED: dict[int, weakref.ref] = {}
+
+
+def _mark_unscaled(updates: optax.Updates, grads: optax.Updates) -> None:
+    inputs = {id(g) for g in jax.tree.leaves(grads)}
+    for leaf in jax.tree.leaves(updates):
+        if id(leaf) in inputs or not jnp.issubdtype(getattr(leaf, "dtype", np.int32), jnp.inexact):
+            continue  # a gradient leaf passed through (it is the caller's own), or nothing to scale
+        key = id(leaf)
+        try:
+            _UNSCALED[key] = weakref.ref(leaf, lambda _, key=key: _UNSCALED.pop(key, None))
+        except TypeError:  # a leaf that cannot be referenced weakly: nothing to recognise it by
+            continue
+
+
+def _refuse_unscaled(grads: optax.Updates) -> None:
+    for leaf in jax.tree.leaves(grads):
+        ref = _UNSCALED.get(id(leaf))
+        if ref is not None and ref() is leaf:
+            raise ValueError(
+                "the gradients passed to this loss-scaling update are the output of another loss-scaling "
+                "update, already divided by its scale: the optimizer chains two loss-scaling transformations "
+                "(e.g. optax.chain(ls.dynamic(optax.clip(1.0)), ls.dynamic(optax.adam(1e-3)))), and each would "
+                "divide the gradients by its own scale while the loss is multiplied by one. Wrap the whole "
+                "optimizer once: ls.dynamic(optax.chain(optax.clip(1.0), optax.adam(1e-3)))"
+            )
 
 
 def _initial_state(rule: Rule, inner_state: optax.OptState, settings: Settings, num_leaves: int) -> LossScaleState:

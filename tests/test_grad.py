@@ -65,6 +65,15 @@ def test_sibling_loss_scalers_are_refused_with_the_fix_that_works():
     )
     with pytest.raises(ValueError, match="2 loss-scaling states"):
         ls.value_and_grad(lambda p: p["x"] + p["y"])(multi.init({"x": 1.0, "y": 2.0}), {"x": 1.0, "y": 2.0})
+    # A chain's update can see it too: the second scaler is handed the
+    # first one's output (eagerly and under jit, in both APIs).
+    for update in (siblings.update, jax.jit(siblings.update)):
+        with pytest.raises(ValueError, match="output of another loss-scaling update.*Wrap the whole optimizer once"):
+            update(jnp.ones(3), state, params)
+    first, second = ls.dynamic(optax.clip(1.0)), ls.dynamic(optax.adam(1e-3))
+    unscaled, _ = first.update(jnp.ones(3), first.init(params), params)
+    with pytest.raises(ValueError, match="output of another loss-scaling update"):
+        ls.apply_gradients(second, unscaled, second.init(params), params)
     # The fix the message gives trains with one division.
     once = ls.dynamic(optax.chain(optax.clip(1.0), optax.adam(1e-3)), initial_scale=2.0**10)
     state = once.init(params)
