@@ -61,6 +61,7 @@ import optax
 from loss_scale._jaxpr import NO_LABELS, Equation, Frame, Hooks, Interpreter, Mode, equations, is_literal
 from loss_scale._sharding import match_varying
 from loss_scale._trees import first_difference
+from loss_scale._unscale import is_float_leaf
 
 # Primitives whose cost or behaviour on a skipped step's inputs is not that
 # of a few elementwise passes.
@@ -150,7 +151,7 @@ def apply_or_skip(
     def branch_free(go, consts, args):
         zeroed = _zero_gradients(go, args, num_grads)
         old = dict(enumerate(kept(args)))
-        return _evaluate_selecting(traced.jaxpr, consts, zeroed, go, old, suspect=range(num_grads))
+        return _evaluate_selecting(traced.jaxpr, consts, zeroed, go, old, num_suspect=num_grads)
 
     def branch_free_jvp(primals, tangents):
         # Only the perturbed inputs carry tangents into the reference, so
@@ -222,9 +223,7 @@ def _zero_gradients(go: jax.Array, args: Sequence[Any], num_grads: int) -> list[
     non-finite."""
 
     def zeroed(g):
-        if hasattr(g, "dtype") and jnp.issubdtype(g.dtype, jnp.inexact):
-            return jnp.where(go, g, jnp.zeros((), g.dtype))
-        return g
+        return jnp.where(go, g, jnp.zeros((), g.dtype)) if is_float_leaf(g) else g
 
     return [zeroed(g) for g in args[:num_grads]] + list(args[num_grads:])
 
@@ -235,7 +234,7 @@ def _evaluate_selecting(
     args: Sequence[Any],
     go: jax.Array,
     old: Mapping[int, Any],
-    suspect: Any,
+    num_suspect: int,
 ) -> list[Any]:
     """Evaluates ``jaxpr`` and returns its outputs, output ``i`` (for each
     ``i`` in ``old``) as ``select(go, new, old[i])``, selected where an
@@ -244,7 +243,7 @@ def _evaluate_selecting(
     where that did not already choose against ``old[i]`` (one value returned
     as two state leaves, an input or a literal returned as it is).
 
-    The inputs at the positions ``suspect`` (the zeroed gradients) and every
+    The first ``num_suspect`` inputs (the zeroed gradients) and every
     selected value hold, on a skipped step, what the update's formulas never
     read; every ``GUARDED`` operation on a value computed from them reads a
     safe value there instead (``_SelectPath``, the hooks of the package's
@@ -254,7 +253,7 @@ def _evaluate_selecting(
         if index in old and not is_literal(var):
             chosen.setdefault(var, old[index])
     hooks = _SelectPath(go, chosen)
-    labels = [_SUSPECT if i in set(suspect) else NO_LABELS for i in range(len(jaxpr.invars))]
+    labels = [_SUSPECT] * num_suspect + [NO_LABELS] * (len(jaxpr.invars) - num_suspect)
     outs, _ = Interpreter(hooks).evaluate(jaxpr, consts, args, labels, Frame())
     outputs = []
     for index, (var, value) in enumerate(zip(jaxpr.outvars, outs, strict=True)):

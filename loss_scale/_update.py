@@ -25,7 +25,6 @@ from typing import Any
 import jax
 import jax.extend
 import jax.numpy as jnp
-import numpy as np
 import optax
 
 from loss_scale._check import gradient_stats
@@ -38,7 +37,7 @@ from loss_scale._sharding import match_varying, zeros_like_shapes
 from loss_scale._skip import apply_or_skip, kept_inner_state
 from loss_scale._state import LossScaleState, SkipReason, StepRecord
 from loss_scale._trees import first_difference
-from loss_scale._unscale import unscale_tree
+from loss_scale._unscale import is_float_leaf, unscale_tree
 
 
 class LossScaleTransformation(optax.GradientTransformationExtraArgs):
@@ -259,7 +258,7 @@ _UNSCALED: dict[int, weakref.ref] = {}
 def _mark_unscaled(updates: optax.Updates, grads: optax.Updates) -> None:
     inputs = {id(g) for g in jax.tree.leaves(grads)}
     for leaf in jax.tree.leaves(updates):
-        if id(leaf) in inputs or not jnp.issubdtype(getattr(leaf, "dtype", np.int32), jnp.inexact):
+        if id(leaf) in inputs or not is_float_leaf(leaf):
             continue  # a gradient leaf passed through (it is the caller's own), or nothing to scale
         key = id(leaf)
         try:
