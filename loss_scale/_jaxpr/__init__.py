@@ -92,7 +92,7 @@ How the package's walkers map onto it (they move onto it in a later step):
   suspect.
 """
 
-from loss_scale._jaxpr._compat import bind, closed_parts, equations, is_dropped, is_literal, sub_jaxprs
+from loss_scale._jaxpr._compat import bind, closed_parts, equations, is_dropped, is_literal, sub_jaxprs, walk
 from loss_scale._jaxpr._hooks import NO_LABELS, Equation, Frame, Hooks, Labels, Mode
 from loss_scale._jaxpr._interpreter import Interpreter
 from loss_scale._jaxpr._structured import TABLE, Structure, structure_of
@@ -114,4 +114,5 @@ __all__ = [
     "is_literal",
     "structure_of",
     "sub_jaxprs",
+    "walk",
 ]

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -34,18 +35,40 @@ def bind(eqn: Any, invals: Sequence[Any]) -> list[Any]:
     subfuns: Sequence[Any] = ()
     if isinstance(params, tuple):
         subfuns, params = params
-    with eqn.ctx.manager:
+    with at_source(eqn), eqn.ctx.manager:
         outs = eqn.primitive.bind(*subfuns, *invals, **params)
     return list(outs) if eqn.primitive.multiple_results else [outs]
 
 
+def is_closed(body: Any) -> bool:
+    """Whether a parameter is a ``ClosedJaxpr`` (which also answers a
+    ``Jaxpr``'s ``eqns``, ``invars`` and ``constvars``: tested first)."""
+    return isinstance(body, jex.ClosedJaxpr)
+
+
+def at_source(eqn: Any) -> contextlib.AbstractContextManager:
+    """A context in which the equations bound carry ``eqn``'s place in the
+    user's code (its traceback and name stack, after the caller's), as
+    ``jax.core.eval_jaxpr`` gives them: a rewritten program's errors and
+    reports then point at the user's line, not at the interpreter. The
+    helper is private to jax in every declared version; without it the
+    equations carry the interpreter's place."""
+    try:
+        from jax._src import source_info_util
+    except ImportError:  # pragma: no cover - moved in a later jax
+        return contextlib.nullcontext()
+    name_stack = source_info_util.current_name_stack() + eqn.source_info.name_stack
+    return source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
+
+
 def closed_parts(body: Any) -> tuple[Any, list[Any]]:
     """``(open jaxpr, consts)`` of a parameter that holds a jaxpr: a
-    ``ClosedJaxpr`` (``jit``, ``cond`` branches, ``scan``) or an open
-    ``Jaxpr`` (``checkpoint``, ``shard_map``)."""
-    if hasattr(body, "eqns"):
-        return body, []
-    return body.jaxpr, list(body.consts)
+    ``ClosedJaxpr`` (``jit``, ``cond`` branches, ``scan``; a jitted
+    function's may hold consts) or an open ``Jaxpr`` (``checkpoint``,
+    ``shard_map``)."""
+    if is_closed(body):
+        return body.jaxpr, list(body.consts)
+    return body, []
 
 
 def has_effects(eqn: Any) -> bool:
@@ -67,11 +90,23 @@ def sub_jaxprs(params: Any) -> list[Any]:
     found = []
     for value in params.values():
         for item in value if isinstance(value, tuple | list) else (value,):
-            if hasattr(item, "eqns"):
-                found.append(item)
-            elif hasattr(getattr(item, "jaxpr", None), "eqns"):
+            if is_closed(item):
                 found.append(item.jaxpr)
+            elif hasattr(item, "eqns"):
+                found.append(item)
     return found
+
+
+def walk(jaxpr: Any, reverse: bool = False) -> Iterator[tuple[int, Any]]:
+    """``(index, equation)`` for each equation of the open ``jaxpr`` itself
+    (not those of its bodies: ``sub_jaxprs``/``structure_of`` give them),
+    first to last, or last to first with ``reverse``: for a client that
+    reads the program without evaluating it, such as a backward pass over
+    it (the cotangents flow from the last equation to the first), or one
+    that finds which equation made a value."""
+    order = range(len(jaxpr.eqns) - 1, -1, -1) if reverse else range(len(jaxpr.eqns))
+    for index in order:
+        yield index, jaxpr.eqns[index]
 
 
 def equations(jaxpr: Any) -> Iterator[Any]:

@@ -109,6 +109,13 @@ class Hooks:
         del eqn, labels, frame
         return Mode.KEEP
 
+    def mode_at(self, eqn: Any, index: int, labels: Sequence[Labels], frame: Frame) -> Mode:
+        """``mode`` for equation ``index`` of its jaxpr: what the interpreter
+        asks. A client whose choice depends on where the equation sits (a
+        plan keyed by equation index) overrides this one instead."""
+        del index
+        return self.mode(eqn, labels, frame)
+
     def equation(self, equation: Equation, invals: list[Any], bind: Callable[[list[Any]], list[Any]]) -> list[Any]:
         """The equation's outputs. ``bind(invals)`` is the default
         behaviour in the equation's mode; a hook may change the inputs
@@ -144,8 +151,9 @@ class Hooks:
         del jaxpr, frame
         return outs
 
-    def child_data(self, eqn: Any, body: int, frame: Frame) -> Any:
+    def child_data(self, eqn: Any, body: int, frame: Frame, index: int | None = None) -> Any:
         """``Frame.data`` for body ``body`` of a structured equation that is
-        entered or rebuilt (by default the enclosing jaxpr's)."""
-        del eqn, body
+        entered or rebuilt, equation ``index`` of ``frame``'s jaxpr (by
+        default the enclosing jaxpr's data)."""
+        del eqn, body, index
         return frame.data

@@ -32,15 +32,16 @@ class Interpreter:
         outs, _ = self.evaluate(closed.jaxpr, closed.consts, args, labels, Frame(data=data))
         return outs
 
-    def mode_of(self, eqn: Any, labels: Sequence[Labels], frame: Frame) -> Mode:
-        """The mode the hooks choose for ``eqn``, checked against what the
+    def mode_of(self, eqn: Any, labels: Sequence[Labels], frame: Frame, index: int = -1) -> Mode:
+        """The mode the hooks choose for ``eqn`` (equation ``index`` of its
+        jaxpr), checked against what the
         primitive supports; ``KEEP`` for a primitive without a body, and
         for a rebuild of an equation with effects (binding it as it is keeps
         the order of its effects among the program's)."""
         table = structured.structure_of(eqn)
         if table is None:
             return Mode.KEEP
-        mode = self.hooks.mode(eqn, labels, frame)
+        mode = self.hooks.mode_at(eqn, index, labels, frame)
         if mode not in table.modes:
             raise ValueError(
                 f"{eqn.primitive.name} cannot be evaluated in mode {mode.value}: it supports "
@@ -90,7 +91,7 @@ class Interpreter:
         self, eqn: Any, index: int, invals: list[Any], labels: tuple[Labels, ...], frame: Frame, read: Any
     ) -> tuple[list[Any], list[Labels]]:
         """One equation through the hooks: its outputs and their labels."""
-        mode = self.mode_of(eqn, labels, frame)
+        mode = self.mode_of(eqn, labels, frame, index)
         out_labels: list[Labels] = []
 
         def default(vals: list[Any]) -> list[Any]:
@@ -117,6 +118,15 @@ class Interpreter:
         followed equation by equation, loops to their fixed point), for the
         carries of a loop before its body is traced and for clients that
         only need the dependence (which values depend on which inputs)."""
+        tags = self.variable_labels(jaxpr, labels, frame)
+        return [NO_LABELS if is_literal(v) else tags.get(v, NO_LABELS) for v in jaxpr.outvars]
+
+    def variable_labels(self, jaxpr: Any, labels: Sequence[Labels], frame: Frame) -> dict[Any, Labels]:
+        """The labels of every variable of ``jaxpr`` (its inputs and its
+        equations' outputs; a constant's are empty and left out), as
+        ``labels`` propagates them: for a client that asks which values
+        depend on which inputs anywhere in the jaxpr, not only at its
+        outputs."""
         tags: dict[Any, Labels] = dict(zip(jaxpr.invars, labels, strict=True))
 
         def tags_of(v: Any) -> Labels:
@@ -124,7 +134,7 @@ class Interpreter:
 
         for index, eqn in enumerate(jaxpr.eqns):
             eqn_labels = tuple(tags_of(v) for v in eqn.invars)
-            mode = self.mode_of(eqn, eqn_labels, frame)
+            mode = self.mode_of(eqn, eqn_labels, frame, index)
             table = structured.structure_of(eqn)
             if mode is Mode.KEEP or table is None:
                 out_labels = self.hooks.propagate(eqn, eqn_labels, frame)
@@ -133,4 +143,16 @@ class Interpreter:
             for v, tag in zip(eqn.outvars, out_labels, strict=True):
                 if not is_dropped(v):
                     tags[v] = tag
-        return [tags_of(v) for v in jaxpr.outvars]
+        return tags
+
+    def body_labels(self, eqn: Any, labels: Sequence[Labels], frame: Frame, index: int = -1) -> list[list[Labels]]:
+        """The labels the inputs of each body of the structured ``eqn``
+        (equation ``index`` of ``frame``'s jaxpr) take, its inputs labelled
+        ``labels``: a loop's carries at their fixed point, for a client that
+        walks a body itself (a backward pass over the structure)."""
+        table = structured.structure_of(eqn)
+        if table is None:
+            raise ValueError(f"{eqn.primitive.name} holds no jaxpr the interpreter knows")
+        mode = self.mode_of(eqn, labels, frame, index)
+        bodies, _ = table.body_labels(self, eqn, index, labels, frame, mode)
+        return bodies

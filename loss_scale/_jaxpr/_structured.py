@@ -59,7 +59,7 @@ def child(interp: Interpreter, eqn: Any, index: int, body: int, mode: Mode, fram
         scope=scope,
         path=(*frame.path, index, body),
         within=(*frame.within, (name, mode)),
-        data=interp.hooks.child_data(eqn, body, frame),
+        data=interp.hooks.child_data(eqn, body, frame, index=index),
     )
 
 

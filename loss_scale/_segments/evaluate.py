@@ -20,16 +20,15 @@ by the values' potentials (``keys``).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
-from loss_scale._probe import _bind
-from loss_scale._segments.analysis import INLINED, OUT, REMAT, Plan, Potential, ScanPlan, _is_var
+from loss_scale._jaxpr import Equation, Frame, Hooks, Interpreter, Mode, bind, closed_parts, walk
+from loss_scale._segments.analysis import CALLS, OUT, REMAT, Plan, Potential, ScanPlan, is_var
 from loss_scale._segments.marker import probed, rescaled
 from loss_scale._sharding import vary_along, varying_axes
 
@@ -50,10 +49,26 @@ class Site:
     varying: frozenset
 
 
-class Evaluator:
+@dataclasses.dataclass(frozen=True)
+class _Step:
+    """``Frame.data`` of a scan body evaluated at one (traced) step: the
+    plan evaluated (every step's boundaries), the step, the tables [T, n] of
+    the rescaled uses, and the probed values with their step's probe slice
+    and their keys."""
+
+    plan: Plan
+    step: jax.Array
+    rescales: dict[tuple[int, int], np.ndarray]
+    probes: dict[Any, jax.Array]
+    keys: dict[Any, np.ndarray]
+
+
+class Evaluator(Hooks):
     """Evaluates jaxprs under plans, with the boundary exponents
     ``exponents`` (int32[n]) in force, probing the values of
-    ``compute_dtype`` when ``measure``.
+    ``compute_dtype`` when ``measure``: hooks of the package's jaxpr
+    interpreter, ``Frame.data`` holding each jaxpr's ``Plan`` (a ``_Step``
+    in a scan body).
 
     With ``probes=None`` and ``measure``, the evaluation only records the
     probe sites (``sites``; run it under ``jax.eval_shape``); with
@@ -81,6 +96,10 @@ class Evaluator:
         """How many probes the evaluation has taken."""
         return self._next
 
+    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], plan: Plan) -> list[Any]:
+        """Evaluates the open ``jaxpr`` under ``plan``."""
+        return Interpreter(self).evaluate(jaxpr, consts, args, None, Frame(data=plan))[0]
+
     # -- factors -----------------------------------------------------------
 
     def factor(self, vector: Potential | np.ndarray, step: jax.Array | None = None) -> jax.Array:
@@ -104,7 +123,7 @@ class Evaluator:
     def _worthy(self, var: Any, plan: Plan) -> bool:
         return (
             self.measure
-            and _is_var(var)
+            and is_var(var)
             and var in plan.dependent
             and var.aval.dtype == self.compute_dtype
             and var.aval.shape is not None
@@ -131,108 +150,90 @@ class Evaluator:
         self._next += 1
         return probe
 
-    # -- evaluation --------------------------------------------------------
+    # -- hooks -------------------------------------------------------------
 
-    def run(
-        self,
-        jaxpr: Any,
-        consts: Sequence[Any],
-        args: Sequence[Any],
-        plan: Plan,
-        step: jax.Array | None = None,
-        body: dict | None = None,
-    ) -> list[Any]:
-        """Evaluates ``jaxpr`` under ``plan``. In a scan body, ``step`` is the
-        step and ``body`` holds the body's tables (see ``_scan``)."""
-        env: dict[Any, Any] = {}
+    def mode_at(self, eqn: Any, index: int, labels: Any, frame: Frame) -> Mode:
+        """Calls the plan analysed are entered; a checkpoint or ``cond`` is
+        rebuilt where its plan changes something inside it, or to measure
+        inside it; everything else (a scan body's equations included) is
+        bound as it is."""
+        del labels
+        plan = frame.data
+        inner = plan.inner.get(index) if isinstance(plan, Plan) else None
+        name = eqn.primitive.name
+        if inner is None or isinstance(inner, ScanPlan):
+            return Mode.KEEP
+        if isinstance(inner, list):
+            return Mode.REBUILD if self.measure or any(b.rewrites for b in inner) else Mode.KEEP
+        if name in CALLS:
+            return Mode.ENTER
+        if name in REMAT and (self.measure or inner.rewrites):
+            return Mode.REBUILD
+        return Mode.KEEP
 
-        def read(v):
-            return v.val if isinstance(v, jax.extend.core.Literal) else env[v]
+    def child_data(self, eqn: Any, body: int, frame: Frame, index: int | None = None) -> Any:
+        inner = frame.data.inner[index]
+        return inner[body] if isinstance(inner, list) else inner
 
-        for v, x in zip(jaxpr.constvars, consts, strict=True):
-            env[v] = x
-        args = list(args)
+    def inputs(self, jaxpr: Any, args: list[Any], frame: Frame) -> list[Any]:
+        plan = _plan(frame)
         for j, vector in plan.in_rescales.items():
             args[j] = rescaled(args[j], self.factor(vector))
-        for v, x in zip(jaxpr.invars, args, strict=True):
-            env[v] = x
-        rescales = body["rescales"] if body is not None else plan.rescales
-        for i, eqn in enumerate(jaxpr.eqns):
-            invals = [read(v) for v in eqn.invars]
-            for j in range(len(invals)):
-                cast = plan.recasts.get((i, j))
-                vector = rescales.get((i, j))
-                if cast is not None:
-                    # Its own cast of the wider value, rescaled before the cast.
-                    wide = read(cast.invars[0])
-                    if vector is not None:
-                        wide = rescaled(wide, self.factor(vector, step))
-                    invals[j] = _bind(cast, [wide])
-                elif vector is not None:
-                    invals[j] = rescaled(invals[j], self.factor(vector, step))
-            outs = self._equation(i, eqn, invals, plan, step, body)
-            for v, x in zip(eqn.outvars, outs, strict=True):
-                if not _is_var(v):
-                    continue
-                if body is None and self._worthy(v, plan) and v in plan.potentials:
-                    x = self.probe(x, self.key(plan.potentials[v]))
-                elif body is not None and v in body["probes"]:
-                    x = self.probe(x, body["keys"][v], body["probes"][v])
-                env[v] = x
-        outs = [read(v) for v in jaxpr.outvars]
+        return args
+
+    def outputs(self, jaxpr: Any, outs: list[Any], frame: Frame) -> list[Any]:
+        rescales, step = _rescales(frame)
         for j in range(len(outs)):
             vector = rescales.get((OUT, j))
             if vector is not None:
                 outs[j] = rescaled(outs[j], self.factor(vector, step))
         return outs
 
-    def _equation(self, i: int, eqn: Any, invals: list, plan: Plan, step: Any, body: dict | None) -> list[Any]:
+    def equation(self, equation: Equation, invals: list[Any], bind_: Callable[[list], list]) -> list[Any]:
+        """A use the plan rescales reads its value rescaled (a recast use
+        its own cast of the wider value, rescaled); a boundary is
+        ``rescaled`` by its factor; a scan the plan looks inside is rebuilt
+        with per-step tables; the outputs worth it are probed."""
+        i, eqn, frame = equation.index, equation.eqn, equation.frame
+        plan = _plan(frame)
+        rescales, step = _rescales(frame)
+        for j in range(len(invals)):
+            cast = plan.recasts.get((i, j))
+            vector = rescales.get((i, j))
+            if cast is not None:
+                # Its own cast of the wider value, rescaled before the cast.
+                wide = equation.read(cast.invars[0])
+                if vector is not None:
+                    wide = rescaled(wide, self.factor(vector, step))
+                (invals[j],) = bind(cast, [wide])
+            elif vector is not None:
+                invals[j] = rescaled(invals[j], self.factor(vector, step))
+        inner = plan.inner.get(i) if isinstance(frame.data, Plan) else None
         if i in plan.markers:
             factor = jnp.ldexp(jnp.float32(1.0), self.exponents[plan.markers[i]])
-            return [rescaled(x, factor) for x in invals]
-        inner = plan.inner.get(i)
-        name = eqn.primitive.name
-        if inner is not None and body is None:
+            outs = [rescaled(x, factor) for x in invals]
+        elif isinstance(inner, ScanPlan) and (self.measure or inner.rewrites):
             # A scan rebuilt where a step changes, or to measure inside it.
-            if isinstance(inner, ScanPlan) and (self.measure or inner.rewrites):
-                return self._scan(eqn, invals, inner)
-            if isinstance(inner, list):
-                # Rebuilt where a branch changes, or to measure inside it.
-                if self.measure or any(b.rewrites for b in inner):
-                    return self._cond(eqn, invals, inner)
-            elif name in INLINED:
-                closed = eqn.params[INLINED[name]]
-                return self.run(closed.jaxpr, closed.consts, invals, inner)
-            elif name in REMAT and (self.measure or inner.rewrites):
-                params = eqn.params
+            outs = self._scan(equation, invals, inner)
+        else:
+            outs = bind_(invals)
+        for k, v in enumerate(eqn.outvars):
+            if not is_var(v):
+                continue
+            if isinstance(frame.data, _Step):
+                if v in frame.data.probes:
+                    outs[k] = self.probe(outs[k], frame.data.keys[v], frame.data.probes[v])
+            elif self._worthy(v, plan) and v in plan.potentials:
+                outs[k] = self.probe(outs[k], self.key(plan.potentials[v]))
+        return outs
 
-                def remat_body(*args):
-                    return self.run(params["jaxpr"], (), args, inner)
-
-                checkpointed = jax.checkpoint(remat_body, prevent_cse=params["prevent_cse"], policy=params["policy"])
-                return list(checkpointed(*invals))
-        outs = _bind(eqn, invals)
-        return list(outs) if eqn.primitive.multiple_results else [outs]
-
-    def _cond(self, eqn: Any, invals: list, branches: list[Plan]) -> list[Any]:
-        """``lax.switch`` over the branches evaluated under their plans. Each
-        branch has probes of its own (``lax.switch`` traces the branches once
-        each, in order, so both evaluations take them in the same order);
-        the probes of a branch not taken see zero cotangents, which measure
-        nothing."""
-        index, operands = invals[0], invals[1:]
-        jaxprs = eqn.params["branches"]
-
-        def branch(closed, plan):
-            return lambda *ops: self.run(closed.jaxpr, closed.consts, ops, plan)
-
-        fns = [branch(closed, plan) for closed, plan in zip(jaxprs, branches, strict=True)]
-        return list(jax.lax.switch(index, fns, *operands))
-
-    def _scan(self, eqn: Any, invals: list, scan: ScanPlan) -> list[Any]:
+    def _scan(self, equation: Equation, invals: list, scan: ScanPlan) -> list[Any]:
+        """``lax.scan`` around the body evaluated at each step with that
+        step's rescales (tables [T, n] indexed by the step, a per-step input)
+        and probes (stacked [T, 3], sliced per step)."""
+        eqn = equation.eqn
         params = eqn.params
-        closed = params["jaxpr"]
-        body_jaxpr = closed.jaxpr
+        body_jaxpr, body_consts = closed_parts(params["jaxpr"])
         n_consts, n_carry, length = params["num_consts"], params["num_carry"], params["length"]
         consts, init, xs = invals[:n_consts], invals[n_consts : n_consts + n_carry], invals[n_consts + n_carry :]
         steps = scan.steps
@@ -253,9 +254,9 @@ class Evaluator:
         # Probes: the body's values of the compute dtype, with a key per step.
         probe_vars, probe_keys, stacked = [], {}, []
         if self.measure:
-            for eqn_ in body_jaxpr.eqns:
-                for v in eqn_.outvars:
-                    if not (_is_var(v) and any(self._worthy(v, s) and v in s.potentials for s in steps)):
+            for _, body_eqn in walk(body_jaxpr):
+                for v in body_eqn.outvars:
+                    if not (is_var(v) and any(self._worthy(v, s) and v in s.potentials for s in steps)):
                         continue
                     keys = np.array([self.key(s.potentials[v]) if v in s.potentials else -1 for s in steps], np.int32)
                     varying = varying_axes(v.aval) if hasattr(v, "aval") else frozenset()
@@ -263,18 +264,19 @@ class Evaluator:
                     probe_vars.append(v)
                     probe_keys[v] = keys
         discovering = self.probes is None
+        frame = equation.frame
+        within = (*frame.within, (eqn.primitive.name, Mode.REBUILD))
+        path = (*frame.path, equation.index, 0)
 
         def body_fn(carry, per_step):
             xs_t, step, probes_t = per_step
             cs = list(consts)
             for j, table in scan.const_rescales.items():
                 cs[j] = rescaled(cs[j], self.factor(table, step))
-            body = {
-                "rescales": tables,
-                "probes": {} if discovering else dict(zip(probe_vars, probes_t, strict=True)),
-                "keys": probe_keys,
-            }
-            outs = self.run(body_jaxpr, closed.consts, [*cs, *carry, *xs_t], first, step, body)
+            probes = {} if discovering else dict(zip(probe_vars, probes_t, strict=True))
+            data = _Step(first, step, tables, probes, probe_keys)
+            sub = Frame(scope=frame.scope, path=path, within=within, data=data)
+            outs, _ = Interpreter(self).evaluate(body_jaxpr, body_consts, [*cs, *carry, *xs_t], None, sub)
             return outs[:n_carry], outs[n_carry:]
 
         probes_in = [] if discovering else stacked
@@ -287,6 +289,19 @@ class Evaluator:
             unroll=params["unroll"],
         )
         return [*carry, *ys]
+
+
+def _plan(frame: Frame) -> Plan:
+    """The plan of a frame's jaxpr (in a scan body, the one evaluated)."""
+    return frame.data.plan if isinstance(frame.data, _Step) else frame.data
+
+
+def _rescales(frame: Frame) -> tuple[dict[tuple[int, int], Any], jax.Array | None]:
+    """The rescaled uses of a frame's jaxpr (in a scan body, tables indexed
+    by the step) and the step."""
+    if isinstance(frame.data, _Step):
+        return frame.data.rescales, frame.data.step
+    return frame.data.rescales, None
 
 
 def new_probes(sites: Sequence[Site]) -> list[jax.Array]:
