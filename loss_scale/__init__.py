@@ -9,6 +9,7 @@ Examples:
 """
 
 from loss_scale import presets
+from loss_scale._autocast import autocast, full_precision
 from loss_scale._check import all_finite
 from loss_scale._errors import Float16StateWarning, SkippedStepsError, check_skips
 from loss_scale._factories import dynamic, no_op, predictive, static
@@ -44,10 +45,12 @@ __all__ = [
     "StepRecord",
     "all_finite",
     "apply_gradients",
+    "autocast",
     "check_skips",
     "dynamic",
     "find_state",
     "for_dtype",
+    "full_precision",
     "get_scale",
     "metrics",
     "migrate_state",

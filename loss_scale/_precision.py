@@ -21,6 +21,8 @@ training script switches precision with one flag.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -29,6 +31,7 @@ import numpy as np
 import optax
 
 from loss_scale import _validate as validate
+from loss_scale._autocast import autocast
 from loss_scale._factories import dynamic, unscaled
 from loss_scale._options import OPTIONS, accepted_keywords, unexpected_keyword
 from loss_scale._types import PyTree
@@ -187,6 +190,26 @@ class Policy:
     def cast_to_output(self, tree: PyTree) -> PyTree:
         """``tree`` with its floating leaves cast to ``output_dtype``."""
         return _cast_floating(tree, self.output_dtype)
+
+    def autocast(self, fun: Callable[..., Any]) -> Callable[..., Any]:
+        """``fun`` (a model or loss written in float32) with its products and
+        convolutions in ``compute_dtype`` (``loss_scale.autocast``), and its
+        floating outputs cast to ``output_dtype``.
+
+        Example:
+          >>> import jax.numpy as jnp, loss_scale as ls
+          >>> policy = ls.Policy.from_string("params=f32,compute=f16,output=f32")
+          >>> logits = policy.autocast(lambda w, x: x @ w)(jnp.ones((4, 3)), jnp.ones((2, 4)))
+          >>> logits.dtype
+          dtype('float32')
+        """
+        rewritten = autocast(fun, self.compute_dtype)
+
+        @functools.wraps(fun)
+        def cast_outputs(*args: Any, **kwargs: Any) -> Any:
+            return self.cast_to_output(rewritten(*args, **kwargs))
+
+        return cast_outputs
 
     def loss_scaling(
         self, inner: optax.GradientTransformation, *, skip_nonfinite: bool = False, **dynamic_kwargs: Any

@@ -33,6 +33,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "_signatures",
         "_skip",
         "_jaxpr",
+        "_autocast",
     ),
     "rules": ("_rules",),
     "state": ("_state", "_settings", "_find", "_errors"),

@@ -1,0 +1,158 @@
+"""Which dtype each operation runs in under ``autocast``: three lists of
+primitives and the rule for everything else.
+
+The lists follow the two precedents, torch's autocast op lists and
+TensorFlow's auto-mixed-precision graph rewrite, translated to JAX's
+primitives:
+
+* ``HALF``: the operations whose cost is in multiply-adds and which
+  tensor cores and matrix units run fastest in half precision. torch and
+  TensorFlow both put matrix products and convolutions here, and nothing
+  else that is cheap to keep.
+* ``FLOAT32``: operations whose result loses range or accuracy in half
+  precision. Exponentials and logarithms overflow or lose their small
+  arguments (``exp(12) > 65504``); sums and products of many terms lose
+  the small terms and overflow (a mean over 65536 values of 1.0 is inf in
+  float16); the special functions lose accuracy near their poles. These
+  are torch's float32 list (``exp``, ``log``, ``pow``, ``rsqrt``,
+  ``erfinv``, ``sum``, ``prod``, ``cumsum``, ``softmax``'s and the norms'
+  pieces) and TensorFlow's deny list (``Exp``, ``Log``, ``Pow``,
+  ``Softmax``, ``Sum``, ``Mean``'s reduction). A softmax, log-softmax,
+  logsumexp, cross-entropy and a normalisation's statistics are built from
+  these, so they end up in float32 without being named.
+* ``FOLLOW``: operations that compute nothing that half precision cannot
+  hold more than their inputs already did (arithmetic, comparisons,
+  selections, reshapes, slices, max-reductions): they run in their inputs'
+  dtype. This is TensorFlow's "infer" and "clear" lists: half precision
+  propagates through them, so that a bias added to a product, an
+  activation and a residual stay in half precision as a hand-cast model's
+  do, and the activations kept for the backward pass take half the memory.
+
+Everything else (random bits, sorting, scatter, callbacks, opaque kernels:
+Pallas calls and custom calls, whose signatures are fixed) runs as
+declared: its inputs are cast back to the dtypes they have without
+autocast.
+
+Among ``FOLLOW`` operations, mixing half and float32 inputs is decided by
+where the float32 input comes from: a value computed in float32 by the
+``FLOAT32`` list (a softmax's normaliser, a normalisation's mean; the
+label ``FLOAT32_RESULT``) keeps the operation in float32, JAX's own
+promotion; any other float32 value (a parameter, an input, a constant) is
+cast to half precision where it is used, as TensorFlow's rewrite casts a
+variable read by a half-precision operation.
+"""
+
+from __future__ import annotations
+
+HALF = frozenset({"dot_general", "conv_general_dilated"})
+
+FLOAT32 = frozenset(
+    {
+        # exponentials, logarithms and powers
+        "exp",
+        "exp2",
+        "log",
+        "log1p",
+        "expm1",
+        "pow",
+        "rsqrt",
+        # inverse and hyperbolic functions that overflow or lose accuracy
+        "acos",
+        "asin",
+        "acosh",
+        "asinh",
+        "atanh",
+        "cosh",
+        "sinh",
+        "tan",
+        # special functions
+        "erf_inv",
+        "lgamma",
+        "digamma",
+        "igamma",
+        "igammac",
+        "polygamma",
+        "bessel_i0e",
+        "bessel_i1e",
+        # sums and products of many terms
+        "reduce_sum",
+        "reduce_prod",
+        "cumsum",
+        "cumprod",
+        "cumlogsumexp",
+    }
+)
+
+FOLLOW = frozenset(
+    {
+        # arithmetic
+        "add",
+        "add_any",
+        "sub",
+        "mul",
+        "div",
+        "neg",
+        "abs",
+        "sign",
+        "max",
+        "min",
+        "square",
+        "sqrt",
+        "integer_pow",
+        "rem",
+        "floor",
+        "ceil",
+        "round",
+        "clamp",
+        # bounded elementwise functions
+        "tanh",
+        "logistic",
+        "erf",
+        "erfc",
+        "sin",
+        "cos",
+        "atan",
+        "atan2",
+        # comparisons and selections
+        "eq",
+        "ne",
+        "lt",
+        "le",
+        "gt",
+        "ge",
+        "is_finite",
+        "select_n",
+        # moving values without computing
+        "reshape",
+        "squeeze",
+        "expand_dims",
+        "broadcast_in_dim",
+        "transpose",
+        "rev",
+        "slice",
+        "dynamic_slice",
+        "dynamic_update_slice",
+        "gather",
+        "concatenate",
+        "pad",
+        "copy",
+        "copy_p",
+        "stop_gradient",
+        "optimization_barrier",
+        # reductions that pick one of their inputs
+        "reduce_max",
+        "reduce_min",
+        "argmax",
+        "argmin",
+        "reduce_and",
+        "reduce_or",
+    }
+)
+
+# The label of a float32 value computed in float32 by the ``FLOAT32`` list
+# (or inside ``full_precision``): a ``FOLLOW`` operation that reads one
+# runs in float32.
+FLOAT32_RESULT = "float32 result"
+
+# ``jax.named_scope`` that ``full_precision`` puts its calls in.
+FULL_PRECISION_SCOPE = "loss_scale.full_precision"

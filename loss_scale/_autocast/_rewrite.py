@@ -1,0 +1,176 @@
+"""The rewrite behind ``autocast``: a client of the jaxpr engine that
+evaluates a float32 program with each operation in the dtype its list
+(``_lists``) gives it.
+
+Values change dtype, never shape: the environment holds, for a variable
+declared float32, either a float32 value or one in the half dtype. Every
+operation decides its inputs' dtypes from what it is, casts them where it
+reads them (so a float32 parameter stays float32 and its gradient, the
+transpose of the cast, is float32), and binds. Bodies are rebuilt
+(``Mode.REBUILD``), so control flow stays control flow, a checkpoint
+keeps its policy and a ``custom_jvp``/``custom_vjp`` keeps its rule; where
+a body's signature must not change (a loop's carries, a branch's outputs,
+a custom rule's primal inputs and outputs) the values are cast back to
+their declared dtypes at its boundary.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from loss_scale._autocast._lists import FLOAT32, FLOAT32_RESULT, FOLLOW, FULL_PRECISION_SCOPE, HALF
+from loss_scale._jaxpr import NO_LABELS, Equation, Frame, Hooks, Interpreter, Labels, Mode, bind, structure_of
+from loss_scale._jaxpr._compat import at_source
+
+_F32 = np.dtype(np.float32)
+_PINNED: Labels = frozenset({FLOAT32_RESULT})
+
+# Bodies whose inputs and outputs keep their declared dtypes: a loop's
+# carries and a branch's outputs must have one type whatever the
+# iteration or branch, and a custom rule reads and returns the declared
+# types. A jitted call, a checkpoint and a shard_map are traced again
+# around whatever dtypes reach them.
+_AT_DECLARED = frozenset({"cond", "scan", "while", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+def _float32(dtype: Any) -> bool:
+    # ``==`` rather than ``np.dtype(...)``: a PRNG key's dtype is not a
+    # NumPy one.
+    return dtype is not None and dtype == _F32
+
+
+def _declared_f32(var: Any) -> bool:
+    return _float32(getattr(var.aval, "dtype", None))
+
+
+def _dtype(x: Any) -> Any:
+    return getattr(x, "dtype", None)
+
+
+def _cast(x: Any, dtype: np.dtype) -> Any:
+    current = _dtype(x)
+    if current is None or current == dtype:
+        return x
+    return lax.convert_element_type(x, dtype)
+
+
+def as_declared(variables: Sequence[Any], values: Sequence[Any]) -> list[Any]:
+    """``values`` cast back to the dtypes their variables are declared with."""
+    return [_cast(x, _F32) if _declared_f32(v) else x for v, x in zip(variables, values, strict=True)]
+
+
+def cast_inputs(eqn: Any, invals: Sequence[Any], dtype: np.dtype) -> list[Any]:
+    """``eqn``'s declared-float32 inputs cast to ``dtype``, the casts placed
+    at ``eqn``'s line of the user's code (for errors and ``range_report``)."""
+    with at_source(eqn):
+        return [_cast(x, dtype) if _declared_f32(v) else x for v, x in zip(eqn.invars, invals, strict=True)]
+
+
+def in_full_precision(eqn: Any, frame: Frame) -> bool:
+    """Whether ``eqn`` is called inside ``full_precision`` (its scope, or
+    that of a call around it)."""
+    return FULL_PRECISION_SCOPE in frame.scope or FULL_PRECISION_SCOPE in str(eqn.source_info.name_stack)
+
+
+class Autocast(Hooks):
+    """The hooks: each equation in its list's dtype, bodies rebuilt.
+
+    Labels mark the float32 values computed in float32 on purpose
+    (``FLOAT32_RESULT``): the outputs of the ``FLOAT32`` list and of
+    ``full_precision`` calls, and what ``FOLLOW`` operations compute from
+    them in float32."""
+
+    def __init__(self, dtype: np.dtype):
+        self.dtype = np.dtype(dtype)
+        # How many equations ran in each of the three ways (for a test or a
+        # report to ask what the rewrite did).
+        self.counts = {"half": 0, "float32": 0, "follow": 0, "declared": 0}
+
+    def mode(self, eqn: Any, labels: Sequence[Labels], frame: Frame) -> Mode:
+        del labels
+        if in_full_precision(eqn, frame):
+            return Mode.KEEP
+        modes = structure_of(eqn).modes  # type: ignore[union-attr]  # asked only for structured ones
+        return Mode.REBUILD if Mode.REBUILD in modes else Mode.ENTER
+
+    def propagate(self, eqn: Any, labels: Sequence[Labels], frame: Frame) -> list[Labels]:
+        name = eqn.primitive.name
+        if in_full_precision(eqn, frame) or name in FLOAT32:
+            return [_PINNED] * len(eqn.outvars)
+        if name in HALF:
+            return [NO_LABELS] * len(eqn.outvars)
+        floating = [tag for v, tag in zip(eqn.invars, labels, strict=True) if _declared_f32(v)]
+        return [NO_LABELS.union(*floating)] * len(eqn.outvars)
+
+    def outputs(self, jaxpr: Any, outs: list[Any], frame: Frame) -> list[Any]:
+        if not frame.within or frame.within[-1][0] in _AT_DECLARED:
+            return as_declared(jaxpr.outvars, outs)
+        return outs
+
+    def equation(
+        self, equation: Equation, invals: list[Any], bind_default: Callable[[list[Any]], list[Any]]
+    ) -> list[Any]:
+        eqn = equation.eqn
+        name = eqn.primitive.name
+        if equation.mode is not Mode.KEEP:
+            if name in _AT_DECLARED:
+                invals = cast_inputs(eqn, invals, _F32)
+            return bind_default(invals)
+        if structure_of(eqn) is not None or in_full_precision(eqn, equation.frame):
+            return self._declared(eqn, invals)
+        if name in HALF:
+            return self._half(eqn, invals)
+        if name in FLOAT32:
+            self.counts["float32"] += 1
+            return bind(eqn, cast_inputs(eqn, invals, _F32))
+        if name == "convert_element_type":
+            return self._convert(eqn, invals)
+        if name in FOLLOW:
+            return self._follow(equation, invals)
+        return self._declared(eqn, invals)
+
+    def _declared(self, eqn: Any, invals: list[Any]) -> list[Any]:
+        self.counts["declared"] += 1
+        return bind(eqn, cast_inputs(eqn, invals, _F32))
+
+    def _half(self, eqn: Any, invals: list[Any]) -> list[Any]:
+        floating = [v for v in eqn.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)]
+        if not floating or not all(_declared_f32(v) for v in floating):
+            return self._declared(eqn, invals)
+        self.counts["half"] += 1
+        vals = cast_inputs(eqn, invals, self.dtype)
+        params = dict(eqn.params)
+        if params.get("preferred_element_type") is not None:
+            params["preferred_element_type"] = self.dtype
+        return bind(eqn.replace(params=params), vals)
+
+    def _convert(self, eqn: Any, invals: list[Any]) -> list[Any]:
+        (var,), (x,) = eqn.invars, invals
+        if _dtype(x) != var.aval.dtype and _float32(eqn.params["new_dtype"]):
+            # A float32 value converted to float32 (a weak type made strong):
+            # it stays in the dtype it has.
+            return [x]
+        return bind(eqn, [x])
+
+    def _follow(self, equation: Equation, invals: list[Any]) -> list[Any]:
+        eqn = equation.eqn
+        reads_half = any(_declared_f32(v) and _dtype(x) == self.dtype for v, x in zip(eqn.invars, invals, strict=True))
+        if not reads_half:
+            return bind(eqn, invals)
+        self.counts["follow"] += 1
+        pinned = any(
+            _declared_f32(v) and FLOAT32_RESULT in tag for v, tag in zip(eqn.invars, equation.labels, strict=True)
+        )
+        dtype = _F32 if pinned else self.dtype
+        return bind(eqn, cast_inputs(eqn, invals, dtype))
+
+
+def rewrite(closed: Any, args: Sequence[Any], dtype: np.dtype) -> list[Any]:
+    """The outputs of ``closed`` on ``args`` with each operation in the
+    dtype its list gives it (``dtype`` the half precision)."""
+    return Interpreter(Autocast(dtype)).run(closed, args)
