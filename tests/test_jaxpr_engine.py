@@ -21,7 +21,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from loss_scale._jaxpr import NO_LABELS, Equation, Frame, Hooks, Interpreter, Mode, closed_parts, structure_of
+from loss_scale._jaxpr import (
+    NO_LABELS,
+    Equation,
+    Frame,
+    Hooks,
+    Interpreter,
+    Mode,
+    closed_parts,
+    structure_of,
+    sub_jaxprs,
+    walk,
+)
 
 # -- the corpus -----------------------------------------------------------------
 
@@ -130,6 +141,15 @@ def literals_and_dropped(x):
     return jnp.sum(ys) + jnp.sum(jnp.where(x > 0, x, 2.0))
 
 
+TABLE = jnp.linspace(0.5, 2.0, 4, dtype=jnp.float32)
+
+
+def jit_with_consts(x):
+    """A jitted function that closes over an array: its ``ClosedJaxpr``
+    holds consts (which also answers ``eqns``, like an open jaxpr)."""
+    return jnp.sum(jax.jit(lambda v: jnp.sin(v * TABLE) + TABLE)(x))
+
+
 LOG: list[Any] = []
 
 
@@ -166,6 +186,7 @@ CORPUS: dict[str, tuple[Callable, bool, bool]] = {
     "while_in_jit": (while_in_jit, False, True),
     "scan_of_while": (scan_of_while, False, True),
     "literals_and_dropped": (literals_and_dropped, True, True),
+    "jit_with_consts": (jit_with_consts, True, True),
     "effects": (effects, True, True),
 }
 
@@ -305,6 +326,39 @@ def test_effects_run_in_the_same_order(mode):
     jax.block_until_ready(jax.jit(interpreted(effects, MODES[mode](), X))(X))
     jax.effects_barrier()
     assert expected == LOG and len(expected) == 3
+
+
+class RebuildEffects(Uniform):
+    """``Uniform`` that rebuilds equations with effects too."""
+
+    def rebuild_with_effects(self, eqn, frame):
+        return True
+
+
+@pytest.mark.parametrize("mode", [Mode.REBUILD, Mode.ENTER])
+def test_equations_with_effects_are_rebuilt_where_the_hooks_ask(mode):
+    """By default an equation with effects is bound as it is; hooks whose
+    ``rebuild_with_effects`` says so have it rebuilt (they see its body),
+    with the same values and its effects in the same order."""
+    closed = jax.make_jaxpr(effects)(X)
+    kept, rebuilt = Uniform(mode, Mode.REBUILD), RebuildEffects(mode, Mode.REBUILD)
+    for hooks in (kept, rebuilt):
+        jax.eval_shape(lambda x, hooks=hooks: Interpreter(hooks).run(closed, [x]), X)
+    structured = {i for i, e in enumerate(closed.jaxpr.eqns) if structure_of(e) is not None}
+    # Entering is not rebuilding: a call with effects is entered all the same.
+    entered = {i for i in structured if Mode.ENTER in structure_of(closed.jaxpr.eqns[i]).modes}
+    assert {path[0] for path, _ in kept.seen if path} == (entered if mode is Mode.ENTER else set())
+    assert {path[0] for path, _ in rebuilt.seen if path} == structured and len(structured) == 3
+    LOG.clear()
+    expected = jax.block_until_ready(jax.jit(effects)(X))
+    jax.effects_barrier()
+    logged = list(LOG)
+    LOG.clear()
+    assert_identical(
+        jax.block_until_ready(jax.jit(interpreted(effects, RebuildEffects(mode, Mode.REBUILD), X))(X)), expected
+    )
+    jax.effects_barrier()
+    assert logged == LOG and len(logged) == 3
 
 
 def test_rebuilding_keeps_rules_policies_and_effects():
@@ -458,6 +512,77 @@ def test_labels_reach_a_fixed_point_through_loops_and_branches():
             assert labels[0] == labels[1] == frozenset({"a", "b"})
         else:
             assert labels[0] == frozenset({"a", "b"})
+
+
+def test_labels_of_every_variable_and_of_a_loop_body():
+    def f(a, b, c):
+        def body(carry, _):
+            first, second = carry
+            return (second, jax.lax.cond(first > 0, lambda: b, lambda: first)), None
+
+        (first, second), _ = jax.lax.scan(body, (a, a * 0), None, length=3)
+        return first, second, c + 1.0
+
+    jaxpr = jax.make_jaxpr(f)(1.0, 2.0, 3.0).jaxpr
+    tags = [frozenset({"a"}), frozenset({"b"}), NO_LABELS]
+    interp = Interpreter()
+    every = interp.variable_labels(jaxpr, tags, Frame())
+    assert [every[v] for v in jaxpr.invars] == tags
+    assert [every.get(v, NO_LABELS) for v in jaxpr.outvars] == interp.labels(jaxpr, tags, Frame())
+    ((index, scan),) = [(i, e) for i, e in enumerate(jaxpr.eqns) if e.primitive.name == "scan"]
+    eqn_tags = [every.get(v, NO_LABELS) for v in scan.invars]
+    (body,) = interp.body_labels(scan, eqn_tags, Frame(), index)
+    # b (a const of the body) reaches both carries through the loop.
+    n_consts = scan.params["num_consts"]
+    assert body[n_consts:] == [frozenset({"a", "b"})] * 2
+    with pytest.raises(ValueError, match="holds no jaxpr"):
+        interp.body_labels(jaxpr.eqns[-1], [NO_LABELS, NO_LABELS], Frame())
+
+
+def test_walk_reads_one_jaxpr_in_either_order():
+    jaxpr = jax.make_jaxpr(scan_cond_jit)(X).jaxpr
+    forward = list(walk(jaxpr))
+    assert [i for i, _ in forward] == list(range(len(jaxpr.eqns)))
+    assert all(eqn is jaxpr.eqns[i] for i, eqn in forward)
+    assert list(walk(jaxpr, reverse=True)) == forward[::-1]
+    (scan,) = [e for e in jaxpr.eqns if e.primitive.name == "scan"]
+    (body,) = sub_jaxprs(scan.params)
+    assert body is scan.params["jaxpr"].jaxpr  # the open jaxpr of a ClosedJaxpr
+
+
+class ByIndex(Uniform):
+    """``Frame.data`` of a body: the indices of the equations leading to it,
+    chosen by ``child_data`` from the equation's index."""
+
+    def child_data(self, eqn, body, frame, index=None):
+        return (*(frame.data or ()), index)
+
+    def mode_at(self, eqn, index, labels, frame):
+        self.asked.append((frame.path, index))
+        return super().mode_at(eqn, index, labels, frame)
+
+    def equation(self, equation, invals, bind):
+        assert (equation.frame.data or ()) == equation.frame.path[::2]
+        return super().equation(equation, invals, bind)
+
+
+@pytest.mark.parametrize("mode", ["enter_in_rebuilt", "rebuild"])
+@pytest.mark.parametrize("name", ["scan_cond_jit", "jit_of_cond_of_scan", "checkpoint_of_scan"])
+def test_hooks_are_told_the_equation_index(name, mode):
+    f, _, _ = CORPUS[name]
+    closed = jax.make_jaxpr(f)(X)
+    hooks = ByIndex(MODES[mode]().chosen, Mode.REBUILD)
+    hooks.asked = []
+    jax.eval_shape(lambda x: Interpreter(hooks).run(closed, [x]), X)
+    structured = {(path, index) for path, index in hooks.seen if structure_of(_at(closed.jaxpr, path, index))}
+    assert structured <= set(hooks.asked)
+
+
+def _at(jaxpr: Any, path: tuple[int, ...], index: int) -> Any:
+    """Equation ``index`` of the jaxpr at ``path`` (equation, body, ...)."""
+    for eqn_index, body in zip(path[::2], path[1::2], strict=True):
+        jaxpr = sub_jaxprs(jaxpr.eqns[eqn_index].params)[body]
+    return jaxpr.eqns[index]
 
 
 # -- shard_map ----------------------------------------------------------------------

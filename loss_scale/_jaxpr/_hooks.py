@@ -116,6 +116,16 @@ class Hooks:
         del index
         return self.mode(eqn, labels, frame)
 
+    def rebuild_with_effects(self, eqn: Any, frame: Frame) -> bool:
+        """Whether ``Mode.REBUILD`` rebuilds ``eqn`` although it has effects.
+        By default it is bound as it is instead, its effects where they
+        were; a client whose rebuilt body must differ (a boundary inside a
+        checkpoint that also holds a callback) says True: the body is
+        traced again in the caller's trace, its effects with it, in their
+        order."""
+        del eqn, frame
+        return False
+
     def equation(self, equation: Equation, invals: list[Any], bind: Callable[[list[Any]], list[Any]]) -> list[Any]:
         """The equation's outputs. ``bind(invals)`` is the default
         behaviour in the equation's mode; a hook may change the inputs

@@ -34,10 +34,11 @@ class Interpreter:
 
     def mode_of(self, eqn: Any, labels: Sequence[Labels], frame: Frame, index: int = -1) -> Mode:
         """The mode the hooks choose for ``eqn`` (equation ``index`` of its
-        jaxpr), checked against what the
-        primitive supports; ``KEEP`` for a primitive without a body, and
-        for a rebuild of an equation with effects (binding it as it is keeps
-        the order of its effects among the program's)."""
+        jaxpr), checked against what the primitive supports; ``KEEP`` for a
+        primitive without a body, and for a rebuild of an equation with
+        effects (binding it as it is keeps the order of its effects among
+        the program's) unless the hooks' ``rebuild_with_effects`` says
+        otherwise."""
         table = structured.structure_of(eqn)
         if table is None:
             return Mode.KEEP
@@ -47,7 +48,7 @@ class Interpreter:
                 f"{eqn.primitive.name} cannot be evaluated in mode {mode.value}: it supports "
                 f"{', '.join(m.value for m in table.modes)}"
             )
-        if mode is Mode.REBUILD and has_effects(eqn):
+        if mode is Mode.REBUILD and has_effects(eqn) and not self.hooks.rebuild_with_effects(eqn, frame):
             return Mode.KEEP
         return mode
 
