@@ -123,6 +123,22 @@ def test_compile_time_quick_times_every_variant_against_bare(capsys):
     assert printed[0]["compile ×bare"] == printed[0]["trace+lower ×bare"] == "1.00x"
 
 
+def test_autocast_quick_compares_the_three_versions_of_each_model(capsys):
+    autocast = load("autocast")
+    result = autocast.main(["--quick", "--models", "mlp"])
+    versions = result["models"]["mlp"]["versions"]
+    assert list(versions) == list(autocast.VERSIONS) == ["float32", "hand-cast", "autocast"]
+    for measured in versions.values():
+        assert measured["median_ms"] > 0 and measured["compile_s"] > 0
+        assert measured["vs_hand_cast"]["rounds"] == 3
+    # the float32 step has (almost) no converts; both half versions have many
+    assert versions["float32"]["converts"] < versions["hand-cast"]["converts"]
+    assert versions["float32"]["converts"] < versions["autocast"]["converts"]
+    [printed] = printed_tables(capsys.readouterr().out)
+    assert [row["version"] for row in printed] == ["float32", "hand-cast", "autocast"]
+    assert printed[1]["vs hand-cast"] == "1.00 [1.00, 1.00]"
+
+
 def test_the_timing_scripts_compile_afresh_where_a_persistent_cache_is_configured(tmp_path):
     """A user's ``JAX_COMPILATION_CACHE_DIR`` would turn timed compiles into
     file reads. Run as scripts, the timing benchmarks turn the cache off: the
@@ -247,7 +263,7 @@ def test_segments_benchmark_workloads_declare_their_boundaries():
         )
 
 
-@pytest.mark.parametrize("name", ["overhead", "compile_time", "predictive", "segments", "speedup"])
+@pytest.mark.parametrize("name", ["overhead", "compile_time", "predictive", "segments", "speedup", "autocast"])
 def test_every_script_documents_its_flags_and_defaults(name, capsys):
     with pytest.raises(SystemExit) as exit_info:
         load(name).main(["--help"])
