@@ -136,6 +136,22 @@ def test_a_boundary_inside_a_cond_branch():
     check_against_oracle(loss_fn, *params_and_batch())
 
 
+def test_a_boundary_inside_a_checkpoint_and_a_cond_branch_that_hold_a_callback():
+    # Rebuilt for their boundaries all the same: bound as they are (as an
+    # equation with effects is by default), the boundary would do nothing.
+    base = two_segment_loss(dense_head)
+
+    def loss_fn(params, x, dtype=jnp.float16, marked=True):
+        def body(params, x):
+            jax.debug.callback(lambda v: None, x[0, 0])
+            return base(params, x, dtype, marked)
+
+        taken, other = (lambda: jax.checkpoint(body)(params, x)), (lambda: base(params, x, dtype, False))
+        return jax.lax.cond(x[0, 0] > -100, taken, other)
+
+    check_against_oracle(loss_fn, *params_and_batch())
+
+
 def test_a_train_step_under_vmap_keeps_one_state_per_member():
     loss_fn = two_segment_loss(dense_head)
     params, x = params_and_batch()
