@@ -17,6 +17,10 @@ as it is):
   (its body traced through the interpreter into a new body and the
   primitive bound again: control flow stays control flow, a checkpoint
   keeps its policy and ``prevent_cse``, a custom_jvp/custom_vjp its rule).
+  ``mode_at(eqn, index, labels, frame)`` is what the interpreter asks (by
+  default ``mode``), for a client whose choice depends on the equation's
+  index (a plan keyed by it); ``rebuild_with_effects(eqn, frame)`` makes a
+  ``REBUILD`` of an equation with effects a rebuild after all.
 * ``equation(Equation, invals, bind) -> outs``: called for every equation
   of every jaxpr evaluated (the structured equation itself, then, when
   entered or rebuilt, the equations of its body); ``bind(invals)`` is the
@@ -30,11 +34,21 @@ as it is):
   without evaluating anything).
 * ``inputs``/``outputs(jaxpr, values, frame)``: a jaxpr's values on the
   way in and out (a rescale on entering a branch, on leaving a body).
-* ``child_data(eqn, body, frame)``: ``Frame.data`` of a body (a plan).
+* ``child_data(eqn, body, frame, index)``: ``Frame.data`` of a body (a
+  plan), for body ``body`` of equation ``index`` of ``frame``'s jaxpr.
+
+For a client that reads a program without evaluating it (a backward pass
+over its structure): ``walk(jaxpr, reverse)`` gives one jaxpr's equations
+with their indices in either order, ``sub_jaxprs``/``structure_of`` an
+equation's bodies, ``equations`` every equation at any depth, and
+``Interpreter.variable_labels``/``body_labels`` the labels of every
+variable of a jaxpr and of a structured equation's bodies' inputs (a
+loop's carries at their fixed point).
 
 What each primitive supports (``KEEP`` always; ``REBUILD`` of an
 equation with effects binds it as it is, so that its effects keep their
-place among the program's):
+place among the program's, unless ``rebuild_with_effects`` says
+otherwise):
 
 ==========================  =====  =======  ==========================
 primitive                   ENTER  REBUILD  rebuilt with
@@ -63,7 +77,8 @@ then those of its body. Rebuilding one traces its body apart from the
 caller, so hooks must not make it read the caller's traced values (the
 interpreter raises; enter it instead).
 
-How the package's walkers map onto it (they move onto it in a later step):
+How the package's walkers map onto it (``_segments`` and ``_skip`` are
+its clients; the others move onto it in a later step):
 
 * ``_probe.Evaluator`` (``value_grad_and_peak``, ``range_report``): mode
   ENTER for jit/closed_call/checkpoint, KEEP for the rest; ``equation``
@@ -71,17 +86,20 @@ How the package's walkers map onto it (they move onto it in a later step):
   the site described by ``Frame.scope`` and the name stack; the
   dependence on the differentiated inputs stays a tracer test.
 * ``_segments.analysis`` (a backward pass over the structure, not an
-  evaluation): ``structure_of``/``sub_jaxprs`` for the bodies, and
-  ``Interpreter.labels`` with a label per differentiated input replacing
-  ``_dependent``/``_body_dependence`` (the scan fixed point).
+  evaluation): ``walk(jaxpr, reverse=True)`` from the loss back,
+  ``sub_jaxprs`` for the bodies, ``equations`` to find a boundary at any
+  depth, and ``Interpreter.variable_labels`` with a label per
+  differentiated input for the dependence (``body_labels`` for a scan
+  body's, the carries at their fixed point).
 * ``_segments.evaluate.Evaluator``: ``Frame.data`` holds the ``Plan`` of
   each body (``child_data`` picks ``plan.inner[index]``); ``inputs``/
   ``outputs`` apply ``in_rescales`` and the ``(OUT, j)`` rescales;
   ``equation`` rewrites markers and rescales/recasts inputs (``read``)
-  and probes outputs; mode ENTER for calls, REBUILD for a checkpoint or
-  ``cond`` whose plan rewrites (or when measuring), KEEP otherwise; a
-  scan with per-step tables is the client's own ``equation`` that calls
-  ``lax.scan`` around ``Interpreter.evaluate`` of the body.
+  and probes outputs; ``mode_at`` ENTER for calls, REBUILD for a
+  checkpoint or ``cond`` whose plan rewrites (or when measuring; with
+  effects too), KEEP otherwise; a scan with per-step tables is the
+  client's own ``equation`` that calls ``lax.scan`` around
+  ``Interpreter.evaluate`` of the body, its ``Frame.data`` the step's.
 * ``_segments.marker``: ``marker_name`` stays a predicate on an
   equation, used by the two above.
 * ``_skip._evaluate``/``_evaluate_selecting``: labels ``{"suspect"}`` on
