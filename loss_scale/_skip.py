@@ -58,7 +58,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from loss_scale._jaxpr import NO_LABELS, Equation, Frame, Hooks, Interpreter, Mode, equations, is_literal
+from loss_scale._jaxpr import NO_LABELS, Equation, Frame, Hooks, Interpreter, Mode, equations, is_literal, structure_of
 from loss_scale._sharding import match_varying
 from loss_scale._trees import first_difference
 from loss_scale._unscale import is_float_leaf
@@ -87,23 +87,6 @@ GUARDED: Mapping[str, tuple[tuple[int, ...], float]] = {
     "lgamma": ((0,), 1.0),
     "digamma": ((0,), 1.0),
 }
-
-# Call-like primitives whose body the select path enters, to guard the
-# operations inside (the values are the call's, the derivatives the
-# reference's, so a custom derivative rule is not needed here).
-_CALLS = frozenset(
-    {
-        "pjit",
-        "jit",
-        "closed_call",
-        "core_call",
-        "remat2",
-        "checkpoint",
-        "custom_jvp_call",
-        "custom_vjp_call",
-        "custom_vjp_call_jaxpr",
-    }
-)
 
 
 def runs_unconditionally(closed: jax.extend.core.ClosedJaxpr) -> bool:
@@ -283,7 +266,12 @@ class _SelectPath(Hooks):
 
     def mode(self, eqn: Any, labels: Sequence[Any], frame: Frame) -> Mode:
         del frame
-        if eqn.primitive.name in _CALLS and any(label >= _SUSPECT for label in labels):
+        # Calls (jit, checkpoint, custom_jvp/custom_vjp: those the engine
+        # can enter) that read a suspect value are entered, to guard the
+        # operations inside; the values are the call's and the derivatives
+        # the reference's, so a custom rule is not needed here.
+        structure = structure_of(eqn)
+        if structure is not None and Mode.ENTER in structure.modes and any(label >= _SUSPECT for label in labels):
             return Mode.ENTER
         return Mode.KEEP
 
