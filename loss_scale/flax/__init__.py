@@ -57,13 +57,14 @@ from loss_scale._fused import apply_gradients as _apply_gradients
 from loss_scale._grad import scaled_objective
 from loss_scale._metrics import metrics as _metrics
 from loss_scale._peak import value_grad_and_peak as _value_grad_and_peak
-from loss_scale._segments import SegmentedGradient as _SegmentedGradient
 from loss_scale._segments import segment_names as _segment_names
 from loss_scale._signatures import named_after as _named_after
 from loss_scale._signatures import need_arguments as _need_arguments
 from loss_scale._signatures import takes_first as _takes_first
 from loss_scale._state import LossScaleState
 from loss_scale._types import PyTree
+from loss_scale.flax._helpers import loss_of as _loss_of
+from loss_scale.flax._helpers import nnx_segmented as _nnx_segmented
 
 __all__ = [
     "Optimizer",
@@ -214,30 +215,6 @@ def nnx_value_and_grad(
     return _takes_first(wrapped, ["optimizer", "model"])
 
 
-def _nnx_segmented(scaled: Callable, diff_filter: Any, model: Any, args: list, kwargs: dict, state: Any) -> Any:
-    """``(value, grads)`` of ``nnx_value_and_grad`` with the boundaries of
-    ``state`` in force (``loss_scale.segment``), as ``nnx.grad`` gives them:
-    the gradients an ``nnx.State`` of the variables ``diff_filter``
-    selects, and the model's other variables updated as ``scaled`` left
-    them (batch statistics, RNG counters). ``None`` when the loss function
-    has no boundary."""
-    graphdef, diff, rest = nnx.split(model, diff_filter, ...)
-
-    def objective(diff, *args, **kwargs):
-        # Fresh variables of this trace for the rest too (the model's own
-        # may not be mutated from inside it).
-        copy = nnx.merge(graphdef, diff, jax.tree.map(lambda x: x, rest))
-        target, out = scaled(copy, *args, **kwargs)
-        return target, (out, nnx.state(copy, nnx.Not(diff_filter)))
-
-    segmented = _SegmentedGradient.prepare(objective, 0, (diff, *args), kwargs, state)
-    if segmented is None:
-        return None
-    grads, (out, updated) = segmented.plain()
-    nnx.update(model, updated)
-    return out, grads
-
-
 def nnx_value_grad_and_peak(
     loss_fn: Callable[..., Any],
     every: int = 16,
@@ -333,19 +310,6 @@ def nnx_value_grad_and_peak(
         return out, grads, peak
 
     return _takes_first(wrapped, ["optimizer", "model"])
-
-
-def _loss_of(out: Any, has_aux: bool) -> Any:
-    """The loss in ``loss_fn``'s output, with ``jax.grad``'s error where
-    ``has_aux`` is set and the output is not a ``(loss, aux)`` pair."""
-    if not has_aux:
-        return out
-    if not (isinstance(out, tuple | list) and len(out) == 2):
-        raise TypeError(
-            f"expected function with aux output to return a two-element tuple, but got type {type(out)} with value "
-            f"{out!r}"
-        )
-    return out[0]
 
 
 def apply_gradients(state: Any, grads: PyTree, **extra_args: Any) -> Any:
