@@ -45,7 +45,19 @@ from loss_scale._segments.errors import SegmentError
 from loss_scale._segments.marker import marker_name
 from loss_scale._segments.plan import OUT, Plan, Potential, ScanPlan, all_potentials
 
-__all__ = ["CALLS", "OUT", "REMAT", "Analyser", "Plan", "Potential", "ScanPlan", "SegmentError", "all_potentials"]
+__all__ = [
+    "CALLS",
+    "OUT",
+    "REMAT",
+    "Analyser",
+    "Plan",
+    "Potential",
+    "ScanPlan",
+    "SegmentError",
+    "all_potentials",
+    "has_marker",
+    "is_var",
+]
 
 # Calls analysed inside, and evaluated inside (entered) by the evaluation;
 # checkpoints analysed inside, and rebuilt where their plan rewrites.

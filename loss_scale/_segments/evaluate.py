@@ -172,12 +172,14 @@ class Evaluator(Hooks):
         return Mode.KEEP
 
     def rebuild_with_effects(self, eqn: Any, frame: Frame) -> bool:
-        # A checkpoint or branch that also holds a callback is rebuilt all
-        # the same: bound as it is, its boundaries would do nothing.
+        """A checkpoint or branch that also holds a callback is rebuilt all
+        the same: bound as it is, its boundaries would do nothing."""
         del eqn, frame
         return True
 
     def child_data(self, eqn: Any, body: int, frame: Frame, index: int | None = None) -> Any:
+        """The plan of the call or checkpoint ``index``, or of its branch
+        ``body``."""
         inner = frame.data.inner[index]
         return inner[body] if isinstance(inner, list) else inner
 
