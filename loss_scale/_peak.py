@@ -190,7 +190,7 @@ def _grad_and_peak(
     probes = [vary_along(jnp.zeros(s.shape, s.dtype), s.varying) for s in paths.sites]
 
     def probed(probes, leaves):
-        flat = Evaluator(probes, paths.probed).run(closed.jaxpr, closed.consts, leaves)
+        flat = Evaluator(probes, paths.probed).run(closed, leaves)
         return jax.tree.unflatten(out_tree, flat)
 
     (at_probes, at_leaves), out = jax.grad(probed, argnums=(0, 1), has_aux=True)(probes, leaves)

@@ -1,9 +1,9 @@
-"""Evaluating a jaxpr equation by equation with a zero "probe" added to
-floating values the equations produce (``v + p``, ``p`` all zeros of
-``v``'s shape and dtype): the forward pass is unchanged, and the gradient
-with respect to ``p`` is exactly the cotangent that reaches ``v`` in the
-backward pass, in ``v``'s dtype. ``range_report`` and
-``value_grad_and_peak`` build on it.
+"""Evaluating a jaxpr through the package's interpreter
+(``loss_scale._jaxpr``) with a zero "probe" added to floating values the
+equations produce (``v + p``, ``p`` all zeros of ``v``'s shape and dtype):
+the forward pass is unchanged, and the gradient with respect to ``p`` is
+exactly the cotangent that reaches ``v`` in the backward pass, in ``v``'s
+dtype. ``range_report`` and ``value_grad_and_peak`` build on it.
 
 Only the values whose cotangent ``jax.grad`` itself forms are probed
 (``on_paths``): those on a path from the differentiated arguments to the
@@ -15,10 +15,10 @@ would make differentiable what ``jax.grad`` never differentiates (a
 ``while_loop`` or ``pure_callback`` on data would then fail), and report a
 "cotangent" the backward pass never has.
 
-Calls of jitted functions and ``jax.checkpoint`` are evaluated inside
-(their equations are probed one by one); ``custom_jvp``/``custom_vjp``
-functions and control flow (``scan``, ``while_loop``, ``cond``) are bound
-whole and their outputs probed, so a value inside them is not seen.
+Calls of jitted functions and ``jax.checkpoint`` are entered (their
+equations are probed one by one); ``custom_jvp``/``custom_vjp`` functions,
+control flow (``scan``, ``while_loop``, ``cond``) and ``shard_map`` are
+bound whole and their outputs probed, so a value inside them is not seen.
 """
 
 from __future__ import annotations
@@ -28,16 +28,15 @@ from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 
+from loss_scale._jaxpr import Equation, Frame, Hooks, Interpreter, Labels, Mode, structure_of
 from loss_scale._sharding import vary_along, varying_axes
 
-# Equations whose inner jaxpr is evaluated in place (their equations get rows).
-_INLINED = {"pjit": "jaxpr", "jit": "jaxpr", "closed_call": "call_jaxpr", "core_call": "call_jaxpr"}
-_REMAT = {"checkpoint", "remat", "remat2"}
-# Equations kept whole: their outputs get one row each.
-_WHOLE = ("custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr", "scan", "while", "cond")
+# Calls whose body is evaluated in place (its equations are probed one by
+# one). A custom_jvp/custom_vjp call is kept whole: entering it would drop
+# its rule, and the derivatives would then be those of its body.
+_ENTERED = frozenset({"pjit", "jit", "closed_call", "core_call", "checkpoint", "remat2"})
 
 
 class Site(NamedTuple):
@@ -68,17 +67,6 @@ def _describe(eqn: Any, prefix: str) -> str:
     return " ".join(p for p in (name, line) if p)
 
 
-def _bind(eqn: Any, invals: list) -> Any:
-    """``eqn``'s primitive applied to ``invals``, as ``jax.core.eval_jaxpr``
-    does (before jax 0.9 ``get_bind_params`` also returned sub-functions)."""
-    params = eqn.primitive.get_bind_params(eqn.params)
-    subfuns = []
-    if isinstance(params, tuple):
-        subfuns, params = params
-    with eqn.ctx.manager:
-        return eqn.primitive.bind(*subfuns, *invals, **params)
-
-
 _NO_TRACE = object()
 
 
@@ -88,14 +76,18 @@ def _trace_of(x: Any) -> Any:
     return getattr(x, "_trace", _NO_TRACE)
 
 
-class Evaluator:
-    """Evaluates a jaxpr equation by equation. Every floating value an
-    equation produces is a candidate site (``sites``, in evaluation order);
-    ``probes[i]`` is added to the ``i``-th candidate for which ``probed`` is
-    true (every candidate when ``probed`` is None; none when ``probes`` is
-    None). With ``trace``, a candidate is probed only when it is a tracer of
-    that trace (its tangent under it is not symbolically zero), and
-    ``dependent`` records which were."""
+class Evaluator(Hooks):
+    """Hooks that evaluate a jaxpr with probes (``run``). Every floating
+    value a kept equation produces is a candidate site (``sites``, in
+    evaluation order); ``probes[i]`` is added to the ``i``-th candidate for
+    which ``probed`` is true (every candidate when ``probed`` is None; none
+    when ``probes`` is None). With ``trace``, a candidate is probed only
+    when it is a tracer of that trace (its tangent under it is not
+    symbolically zero), and ``dependent`` records which were.
+
+    Calls (``_ENTERED``) are entered, so their equations are candidates one
+    by one; every other equation holding a jaxpr is bound whole, and only
+    its outputs are candidates."""
 
     def __init__(self, probes: Sequence[Any] | None = None, probed: Sequence[bool] | None = None, trace: Any = None):
         self.probes = probes
@@ -109,6 +101,25 @@ class Evaluator:
         self.inlined: set[str] = set()
         self.whole: set[str] = set()
         self._used = 0
+
+    def run(self, closed: Any, args: Sequence[Any]) -> list[Any]:
+        """The outputs of ``closed`` (a ``ClosedJaxpr``) on ``args``, probed."""
+        return Interpreter(self).run(closed, args)
+
+    def mode(self, eqn: Any, labels: Sequence[Labels], frame: Frame) -> Mode:
+        del labels, frame
+        return Mode.ENTER if eqn.primitive.name in _ENTERED else Mode.KEEP
+
+    def equation(self, equation: Equation, invals: list[Any], bind: Any) -> list[Any]:
+        eqn, name = equation.eqn, equation.eqn.primitive.name
+        outs = bind(invals)
+        if equation.mode is Mode.ENTER:
+            self.inlined.add(name)
+            return outs
+        if structure_of(eqn) is not None:
+            self.whole.add(name)
+        where = _describe(eqn, equation.frame.scope)
+        return [self.probe(x, where, name, v) for x, v in zip(outs, eqn.outvars, strict=True)]
 
     def probe(self, x: Any, where: str, primitive: str, var: Any = None) -> Any:
         if not is_probed(x):
@@ -128,42 +139,6 @@ class Evaluator:
             self._used += 1
         self.values.append(x)
         return x
-
-    def run(self, jaxpr: Any, consts: Sequence[Any], args: Sequence[Any], prefix: str = "") -> list[Any]:
-        env: dict[Any, Any] = {}
-
-        def read(v):
-            return v.val if isinstance(v, jax.extend.core.Literal) else env[v]
-
-        for v, x in zip(jaxpr.constvars, consts, strict=True):
-            env[v] = x
-        for v, x in zip(jaxpr.invars, args, strict=True):
-            env[v] = x
-        for eqn in jaxpr.eqns:
-            invals = [read(v) for v in eqn.invars]
-            name = eqn.primitive.name
-            if name in _INLINED and _INLINED[name] in eqn.params:
-                inner = eqn.params[_INLINED[name]]
-                label = eqn.params.get("name", name)
-                self.inlined.add(f"{name}")
-                scope = "/".join(p for p in (prefix, str(eqn.source_info.name_stack), f"{name}({label})") if p)
-                outs = self.run(inner.jaxpr, inner.consts, invals, scope)
-            elif name in _REMAT and "jaxpr" in eqn.params:
-                self.inlined.add(name)
-                scope = "/".join(p for p in (prefix, str(eqn.source_info.name_stack), name) if p)
-                outs = self.run(eqn.params["jaxpr"], (), invals, scope)
-            else:
-                if name.startswith(_WHOLE):
-                    self.whole.add(name)
-                outs = _bind(eqn, invals)
-                if not eqn.primitive.multiple_results:
-                    outs = [outs]
-                where = _describe(eqn, prefix)
-                outs = [self.probe(x, where, name, v) for x, v in zip(outs, eqn.outvars, strict=True)]
-            for v, x in zip(eqn.outvars, outs, strict=True):
-                if type(v).__name__ != "DropVar":  # an output nobody reads
-                    env[v] = x
-        return [read(v) for v in jaxpr.outvars]
 
 
 class Paths(NamedTuple):
@@ -196,7 +171,7 @@ def on_paths(closed: Any, leaves: Sequence[Any], differentiated: Sequence[bool],
     elimination of the linear (tangent) program keeps, as the backward pass,
     the transpose of that program, reads it. Abstract evaluation only."""
     discover = Evaluator()
-    jax.eval_shape(lambda leaves: discover.run(closed.jaxpr, closed.consts, leaves), list(leaves))
+    jax.eval_shape(lambda leaves: discover.run(closed, leaves), list(leaves))
     candidates = discover.sites
     positions = [i for i, (x, d) in enumerate(zip(leaves, differentiated, strict=True)) if d and is_probed(x)]
     probed = [False] * len(candidates)
@@ -208,7 +183,7 @@ def on_paths(closed: Any, leaves: Sequence[Any], differentiated: Sequence[bool],
                 for i, x in zip(positions, diff, strict=True):
                     call[i] = x
                 evaluator = Evaluator(probes, trace=_trace_of(diff[0]))
-                out = evaluator.run(closed.jaxpr, closed.consts, call)[loss]
+                out = evaluator.run(closed, call)[loss]
                 dependent[:] = evaluator.dependent
                 return out
 

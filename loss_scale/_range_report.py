@@ -2,191 +2,45 @@
 and backward, at a given loss scale.
 
 How the backward values are seen: the loss function's jaxpr is evaluated
-equation by equation, and each floating value an equation produces whose
-cotangent ``jax.grad`` forms (one on a path from the differentiated
-arguments to the loss: not data, not a ``stop_gradient``'ed value, not one
-only the aux output reads) gets a zero "probe" added to it (``v + p``, with ``p`` all zeros of ``v``'s shape
-and dtype). The forward pass is unchanged, and the gradient with respect to
-``p`` is exactly the cotangent that reaches ``v`` in the backward pass, in
-``v``'s dtype: one ``jax.grad`` gives every intermediate's cotangent at once.
-Calls of jitted functions and ``jax.checkpoint`` are evaluated inside (their
-equations get rows); ``custom_jvp``/``custom_vjp`` functions and control
-flow (``scan``, ``while_loop``, ``cond``) are bound whole, and their outputs
-on such a path get a row each. Values off every such path are evaluated
-plainly, as ``jax.grad`` evaluates them (a ``while_loop`` or
-``pure_callback`` on data works).
+equation by equation (``_probe``), and each floating value an equation
+produces whose cotangent ``jax.grad`` forms (one on a path from the
+differentiated arguments to the loss: not data, not a ``stop_gradient``'ed
+value, not one only the aux output reads) gets a zero "probe" added to it
+(``v + p``, with ``p`` all zeros of ``v``'s shape and dtype). The forward
+pass is unchanged, and the gradient with respect to ``p`` is exactly the
+cotangent that reaches ``v`` in the backward pass, in ``v``'s dtype: one
+``jax.grad`` gives every intermediate's cotangent at once. Calls of jitted
+functions and ``jax.checkpoint`` are evaluated inside (their equations get
+rows); ``custom_jvp``/``custom_vjp`` functions and control flow (``scan``,
+``while_loop``, ``cond``) are bound whole, and their outputs on such a path
+get a row each. Values off every such path are evaluated plainly, as
+``jax.grad`` evaluates them (a ``while_loop`` or ``pure_callback`` on data
+works).
+
+The report's types and its table are ``_range_rows``'s (importable from
+here too); the rows' segments and the per-segment pass ``_range_segments``'s.
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 import numpy as np
 
-from loss_scale import _validate as validate
 from loss_scale._check import largest_magnitude
 from loss_scale._probe import Evaluator, is_probed, on_paths
-from loss_scale._rules.segmented import segment_owners
-from loss_scale._segments import Segmented
-from loss_scale._segments.analysis import Analyser, all_potentials
-from loss_scale._segments.evaluate import new_probes
+from loss_scale._range_rows import RangeReport, RangeRow, SegmentRow, format_report
+from loss_scale._range_segments import segment_exponents, segment_labels, segment_rows
 from loss_scale._segments.marker import cotangent_stats
-from loss_scale._types import LOSS_SEGMENT, PyTree
+from loss_scale._types import PyTree
 from loss_scale._unscale import unscale_dtype as _at_least_float32
 from loss_scale._validate import floating_dtype
 
-
-class RangeRow(NamedTuple):
-    """One floating value of the forward pass and its cotangent.
-
-    Attributes:
-      index: position in forward (evaluation) order; arguments first.
-      where: the name stack (``jax.named_scope``, jitted function and flax
-        module names where recorded) and the user's file:line.
-      primitive: the JAX primitive that produced the value (``argument`` for
-        a differentiated input; for a ``custom_jvp``/``custom_vjp`` call or
-        control flow, that whole call).
-      shape: the value's shape.
-      dtype: the value's dtype.
-      forward_max: ``max |x|`` (inf when not finite).
-      backward_max: ``max |cotangent|`` at the report's scale, in the value's
-        dtype (inf when not finite).
-      backward_zero: fraction of cotangent elements exactly 0.
-      backward_below_normal: fraction below the dtype's smallest normal
-        (zeros included).
-      overflows: whether the cotangent has a non-finite element.
-      headroom: how many times larger the cotangent could be before it
-        overflows, measured at ``max_safe_scale`` (``inf`` for a zero
-        cotangent; ``nan`` when no scale is safe).
-      segment: with ``range_report(..., segments=...)``, the segment the
-        value's cotangent is in (``"loss"`` for the loss's own; a
-        differentiated argument's gradient is brought back to the global
-        scale, so its row is in ``"loss"``); ``""`` otherwise.
-
-    Examples:
-      >>> import jax.numpy as jnp, loss_scale as ls
-      >>> report = ls.range_report(lambda w, x: jnp.sum(jnp.tanh(x @ w)), jnp.ones((4, 2)), jnp.ones((3, 4)))
-      >>> [row.primitive for row in report.rows]
-      ['argument', 'dot_general', 'tanh', 'reduce_sum']
-      >>> row = report.rows[2]
-      >>> row.where.startswith("<doctest"), row.shape, row.dtype
-      (True, (3, 2), 'float32')
-      >>> float(row.forward_max) < 1.0, float(row.backward_max), row.overflows
-      (True, 32768.0, False)
-    """
-
-    index: int
-    where: str
-    primitive: str
-    shape: tuple[int, ...]
-    dtype: str
-    forward_max: float
-    backward_max: float
-    backward_zero: float
-    backward_below_normal: float
-    overflows: bool
-    headroom: float
-    segment: str = ""
-
-
-class SegmentRow(NamedTuple):
-    """One segment of the backward pass with its boundaries in force
-    (``range_report(..., segments=...)``).
-
-    Attributes:
-      name: the boundary's name, or ``"loss"`` for the loss's own segment
-        (the segment of a value is the deepest boundary its paths to the
-        loss cross).
-      exponent: the boundary's exponent (0 for ``"loss"``).
-      scale: the smallest scale its cotangents carry (the report's scale
-        times the factors of the boundaries crossed); a boundary crossed
-        once per step of a scan gives larger ones further back.
-      backward_max: the largest cotangent magnitude in the segment at those
-        scales (inf when one was not finite).
-      backward_zero: fraction of the segment's cotangent elements exactly 0.
-      backward_below_normal: fraction below the dtype's smallest normal
-        (zeros included).
-      overflows: whether a cotangent of the segment was not finite.
-
-    Examples:
-      >>> import jax.numpy as jnp, loss_scale as ls
-      >>> def loss_fn(w, x):
-      ...     h = ls.segment(jnp.tanh(x.astype(jnp.float16) @ w["embed"].astype(jnp.float16)), "embed")
-      ...     return jnp.mean((h @ w["head"].astype(jnp.float16)).astype(jnp.float32))
-      >>> w, x = {"embed": jnp.full((3, 4), 0.25), "head": jnp.ones((4, 2))}, jnp.ones((5, 3))
-      >>> report = ls.range_report(loss_fn, w, x, scale=2.0**10, segments={"embed": 3})
-      >>> [(r.name, r.exponent, r.scale, r.backward_zero) for r in report.segments]
-      [('loss', 0, 1024.0, 0.0), ('embed', 3, 8192.0, 0.0)]
-      >>> sorted({row.segment for row in report.rows})
-      ['embed', 'loss']
-    """
-
-    name: str
-    exponent: int
-    scale: float
-    backward_max: float
-    backward_zero: float
-    backward_below_normal: float
-    overflows: bool
-
-
-class RangeReport(NamedTuple):
-    """What ``range_report`` returns; ``str(report)`` is a table, widest
-    offenders (least headroom) first.
-
-    Attributes:
-      rows: one ``RangeRow`` per differentiated argument leaf and per
-        floating value on a path from them to the loss, in forward order.
-      scale: the loss scale of the report's backward pass.
-      max_safe_scale: the largest power of two at which no backward value
-        overflows (``None`` when none up to ``2**-64`` is safe, e.g. when the
-        forward pass is not finite).
-      notes: what was evaluated inside and what was kept whole.
-      segments: with ``segments``, one ``SegmentRow`` per segment: the
-        backward pass with its boundaries in force (the rows are at the
-        one scale ``scale``, so the two side by side show what the
-        boundaries change); ``None`` otherwise.
-
-    Examples:
-      >>> import jax, jax.numpy as jnp, loss_scale as ls
-      >>> loss_fn = lambda w, x: jnp.log(jax.nn.softmax(x @ w))[:, 0].mean()
-      >>> w, x = jnp.linspace(-3.0, 3.0, 64).reshape(4, 16), jnp.ones((8, 4))
-      >>> report = ls.range_report(loss_fn, w, x, scale=2.0**15, compute_dtype="float16")
-      >>> report.scale, report.max_safe_scale, len(report.overflowing) > 0
-      (32768.0, 512.0, True)
-      >>> report.overflowing[0].primitive, report.overflowing[0].dtype
-      ('div', 'float16')
-      >>> print(str(report).splitlines()[0])
-      range report at scale 32768: ... values, ... overflow; max safe scale 2**9
-    """
-
-    rows: list[RangeRow]
-    scale: float
-    max_safe_scale: float | None
-    notes: str
-    segments: list[SegmentRow] | None = None
-
-    @property
-    def overflowing(self) -> list[RangeRow]:
-        """The rows whose cotangent overflows at ``scale``, the one that
-        overflows first as the scale grows (least headroom) first; among
-        rows with the same headroom, the one the backward pass reaches
-        first (latest in forward order) first."""
-        rows = [r for r in self.rows if r.overflows]
-        return sorted(rows, key=_offender_order)
-
-    def __str__(self) -> str:
-        return format_report(self)
-
-
-def _offender_order(row: RangeRow) -> tuple[float, int]:
-    headroom = row.headroom if not math.isnan(row.headroom) else -1.0
-    return (headroom, -row.index)
+__all__ = ["RangeReport", "RangeRow", "SegmentRow", "format_report", "range_report"]
 
 
 def _split(tree: PyTree) -> tuple[list, list[int], Any]:
@@ -342,7 +196,7 @@ def range_report(
         for (a, j, _), value in zip(arg_sites, diff, strict=True):
             arrays[a][j] = value
         evaluator = Evaluator(probes, paths.probed)
-        (loss,) = evaluator.run(closed.jaxpr, closed.consts, jax.tree.leaves(arrays))
+        (loss,) = evaluator.run(closed, jax.tree.leaves(arrays))
         forward = [largest_magnitude(jax.lax.stop_gradient(x)) for x in evaluator.values]
         return loss.astype(_at_least_float32(loss.dtype)) * s, forward
 
@@ -402,105 +256,13 @@ def range_report(
         notes.append("looked into: " + ", ".join(sorted(paths.inlined)))
     if paths.whole:
         notes.append("kept whole (their outputs only): " + ", ".join(sorted(paths.whole)))
-    segment_rows = None
+    per_segment = None
     if segments is not None:
-        exponents = _segment_exponents(segments)
-        labels = _segment_labels(closed, differentiated, exponents, paths, len(arg_sites))
+        exponents = segment_exponents(segments)
+        labels = segment_labels(closed, differentiated, exponents, paths, len(arg_sites))
         rows = [row._replace(segment=label) for row, label in zip(rows, labels, strict=True)]
-        segment_rows = _segment_rows(loss_of, arrays, differentiated, exponents, scale, dtype)
-    return RangeReport(rows, float(scale), safe, "; ".join(notes), segment_rows)
-
-
-def _segment_exponents(segments: Mapping[str, int]) -> dict[str, int]:
-    if not isinstance(segments, Mapping):
-        raise TypeError(
-            f"segments must map each boundary's name to its exponent (e.g. ls.find_state(opt_state)."
-            f"segments.exponents()), got {type(segments).__name__}"
-        )
-    return {validate.segment_name("segments' name", name): int(e) for name, e in segments.items()}
-
-
-def _segment_labels(closed, differentiated, exponents, paths, n_arguments) -> list[str]:
-    """Each row's segment: the arguments the loss's (they are held at the
-    global scale), the rest the deepest boundary their paths cross."""
-    names = tuple(sorted(exponents))
-    plan = Analyser(names).analyse(closed, differentiated)
-    found = all_potentials(plan)
-    keys = sorted({found[v] for v in paths.variables if v in found} | {(0,) * len(names)})
-    owners = dict(zip(keys, segment_owners(np.asarray(keys, np.int32).reshape(len(keys), len(names))), strict=True))
-    labels = [LOSS_SEGMENT] * n_arguments
-    for variable, probed in zip(paths.variables, paths.probed, strict=True):
-        if probed:
-            potential = found.get(variable)
-            owner = owners.get(potential, 0) if potential is not None else 0
-            labels.append(LOSS_SEGMENT if owner == 0 else names[owner - 1])
-    return labels
-
-
-def _segment_rows(loss_of, arrays, differentiated, exponents, scale, dtype) -> list[SegmentRow]:
-    """The backward pass with the boundaries in force, each segment's
-    statistics (``SegmentPeaks`` at ``scale``, by name)."""
-    leaves = jax.tree.leaves(arrays)
-    tree = jax.tree.structure(arrays)
-
-    def scaled(leaves):
-        loss = loss_of(jax.tree.unflatten(tree, leaves))
-        return loss.astype(_at_least_float32(loss.dtype)) * scale, None
-
-    compute = dtype if dtype is not None else _widest_16bit(leaves)
-    segmented = Segmented.with_exponents(scaled, leaves, exponents, differentiated, compute)
-    if segmented is None:
-        raise ValueError("segments were given, but the loss function has no boundary (loss_scale.segment)")
-
-    @jax.jit
-    def measure(leaves):
-        positions = [i for i, flag in enumerate(differentiated) if flag]
-
-        def objective(diff, probes):
-            call = list(leaves)
-            for i, d in zip(positions, diff, strict=True):
-                call[i] = d
-            return segmented.evaluate(call, probes)
-
-        probes = new_probes(segmented.sites)
-        diff = [leaves[i] for i in positions]
-        (at_leaves, at_probes), _ = jax.grad(objective, argnums=(0, 1), has_aux=True)(diff, probes)
-        return segmented.peaks(at_probes, at_leaves)
-
-    peaks = jax.device_get(measure(leaves))
-    names = segmented.names
-    keys = peaks.key_matrix
-    owners = segment_owners(keys)
-    rows = []
-    for s, name in enumerate((LOSS_SEGMENT, *names)):
-        parts = np.flatnonzero(owners == s)
-        if not parts.size:
-            continue
-        power = keys[parts] @ np.asarray([exponents[n] for n in names], np.int64) if names else np.zeros(len(parts))
-        count = float(np.sum(peaks.count[parts]))
-        peak = float(np.max(peaks.peak[parts]))
-        rows.append(
-            SegmentRow(
-                name=name,
-                exponent=0 if s == 0 else exponents[name],
-                scale=float(scale * 2.0 ** int(np.min(power))),
-                backward_max=peak,
-                backward_zero=float(np.sum(peaks.zeros[parts])) / max(count, 1.0),
-                backward_below_normal=float(np.sum(peaks.below_normal[parts])) / max(count, 1.0),
-                overflows=not math.isfinite(peak),
-            )
-        )
-    return rows
-
-
-def _widest_16bit(leaves: Sequence[Any]) -> jnp.dtype:
-    """The dtype whose cotangents the segments' statistics count when no
-    compute dtype is given: float16 unless no leaf is float16 and one is
-    bfloat16."""
-    dtypes = {jnp.dtype(x.dtype) for x in leaves if hasattr(x, "dtype")}
-    if jnp.dtype(jnp.float16) not in dtypes and jnp.dtype(jnp.bfloat16) in dtypes:
-        return jnp.dtype(jnp.bfloat16)
-    return jnp.dtype(jnp.float16)
+        per_segment = segment_rows(loss_of, arrays, differentiated, exponents, scale, dtype)
+    return RangeReport(rows, float(scale), safe, "; ".join(notes), per_segment)
 
 
 def _max_safe_scale(run, all_finite, stats, dtypes, scale: float) -> float | None:
@@ -523,60 +285,3 @@ def _max_safe_scale(run, all_finite, stats, dtypes, scale: float) -> float | Non
     while exponent < 127 and all_finite(run(2.0 ** (exponent + 1))[0]):
         exponent += 1
     return 2.0**exponent
-
-
-def format_report(report: RangeReport, limit: int = 20) -> str:
-    """The report as a table, least headroom first (at most ``limit`` rows)."""
-    safe = "none" if report.max_safe_scale is None else f"2**{int(math.log2(report.max_safe_scale))}"
-    lines = [
-        f"range report at scale {report.scale:g}: {len(report.rows)} values, "
-        f"{sum(r.overflows for r in report.rows)} overflow; max safe scale {safe}",
-    ]
-    if report.notes:
-        lines.append(report.notes)
-    labelled = report.segments is not None
-    header = ("where", "op", "shape", "dtype", "fwd max", "bwd max", "bwd 0", "bwd <normal", "headroom", "")
-    if labelled:
-        header = ("segment", *header)
-    body = []
-    for r in sorted(report.rows, key=_offender_order)[:limit]:
-        body.append(
-            ((r.segment,) if labelled else ())
-            + (
-                r.where if len(r.where) <= 60 else r.where[:57] + "...",
-                r.primitive,
-                "x".join(map(str, r.shape)) or "()",
-                r.dtype,
-                f"{r.forward_max:.3g}",
-                f"{r.backward_max:.3g}",
-                f"{r.backward_zero:.0%}",
-                f"{r.backward_below_normal:.0%}",
-                "nan" if math.isnan(r.headroom) else f"{r.headroom:.3g}",
-                "OVERFLOW" if r.overflows else "",
-            )
-        )
-    widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
-    for row in [header, *body]:
-        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-    if len(report.rows) > limit:
-        lines.append(f"... {len(report.rows) - limit} more rows in report.rows")
-    if report.segments is not None:
-        lines.append("")
-        lines.append("with the boundaries in force (report.segments):")
-        header = ("segment", "exponent", "scale", "bwd max", "bwd 0", "bwd <normal", "")
-        body = [
-            (
-                r.name,
-                str(r.exponent),
-                f"{r.scale:g}",
-                f"{r.backward_max:.3g}",
-                f"{r.backward_zero:.0%}",
-                f"{r.backward_below_normal:.0%}",
-                "OVERFLOW" if r.overflows else "",
-            )
-            for r in report.segments
-        ]
-        widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
-        for row in [header, *body]:
-            lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-    return "\n".join(lines)

@@ -46,6 +46,8 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "_migrate",
         "_probe",
         "_peak",
+        "_range_rows",
+        "_range_segments",
         "_range_report",
         "_segments",
         "presets",
