@@ -234,7 +234,11 @@ def test_bodies_rewritten_values_and_gradients(fn, params):
     assert_rewritten(eqns)
     nested = [e for e in eqns if e.primitive.name in HALF]
     top = [e for e in jax.make_jaxpr(f)(params, XS).jaxpr.eqns if e.primitive.name in HALF]
-    assert len(nested) > len(top), "the products are inside the body"
+    if fn is jit_loss:
+        # A jitted call is entered: its equations join the caller's.
+        assert len(nested) == len(top) == 2
+    else:
+        assert len(nested) > len(top), "the products are inside the body"
     value, grads = jax.value_and_grad(f)(params, XS)
     value32, grads32 = jax.value_and_grad(fn)(params, XS)
     assert rel_err(value, value32) < 1e-2

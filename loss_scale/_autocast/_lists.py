@@ -134,6 +134,7 @@ FOLLOW = frozenset(
         "dynamic_update_slice",
         "gather",
         "concatenate",
+        "split",
         "pad",
         "copy",
         "copy_p",

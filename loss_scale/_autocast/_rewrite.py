@@ -19,12 +19,24 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from loss_scale._autocast._lists import FLOAT32, FLOAT32_RESULT, FOLLOW, FULL_PRECISION_SCOPE, HALF
-from loss_scale._jaxpr import NO_LABELS, Equation, Frame, Hooks, Interpreter, Labels, Mode, bind, structure_of
+from loss_scale._jaxpr import (
+    NO_LABELS,
+    Equation,
+    Frame,
+    Hooks,
+    Interpreter,
+    Labels,
+    Mode,
+    bind,
+    equations,
+    structure_of,
+)
 from loss_scale._jaxpr._compat import at_source
 
 _F32 = np.dtype(np.float32)
@@ -44,6 +56,13 @@ def _float32(dtype: Any) -> bool:
     return dtype is not None and dtype == _F32
 
 
+# Calls entered: their equations join the caller's (XLA inlines them
+# anyway), so a constant passed in (a mask's fill value) stays a constant
+# the rewrite can see. Other bodies are rebuilt, to keep what the primitive
+# holds besides its body: a checkpoint's policy, a custom rule, a loop.
+_CALLS = frozenset({"pjit", "jit", "closed_call", "core_call"})
+
+
 def _declared_f32(var: Any) -> bool:
     return _float32(getattr(var.aval, "dtype", None))
 
@@ -52,7 +71,7 @@ def _dtype(x: Any) -> Any:
     return getattr(x, "dtype", None)
 
 
-def _cast(x: Any, dtype: np.dtype) -> Any:
+def _convert_to(x: Any, dtype: np.dtype) -> Any:
     current = _dtype(x)
     if current is None or current == dtype:
         return x
@@ -61,14 +80,7 @@ def _cast(x: Any, dtype: np.dtype) -> Any:
 
 def as_declared(variables: Sequence[Any], values: Sequence[Any]) -> list[Any]:
     """``values`` cast back to the dtypes their variables are declared with."""
-    return [_cast(x, _F32) if _declared_f32(v) else x for v, x in zip(variables, values, strict=True)]
-
-
-def cast_inputs(eqn: Any, invals: Sequence[Any], dtype: np.dtype) -> list[Any]:
-    """``eqn``'s declared-float32 inputs cast to ``dtype``, the casts placed
-    at ``eqn``'s line of the user's code (for errors and ``range_report``)."""
-    with at_source(eqn):
-        return [_cast(x, dtype) if _declared_f32(v) else x for v, x in zip(eqn.invars, invals, strict=True)]
+    return [_convert_to(x, _F32) if _declared_f32(v) else x for v, x in zip(variables, values, strict=True)]
 
 
 def in_full_precision(eqn: Any, frame: Frame) -> bool:
@@ -87,16 +99,44 @@ class Autocast(Hooks):
 
     def __init__(self, dtype: np.dtype):
         self.dtype = np.dtype(dtype)
-        # How many equations ran in each of the three ways (for a test or a
-        # report to ask what the rewrite did).
-        self.counts = {"half": 0, "float32": 0, "follow": 0, "declared": 0}
+        self.largest = float(jnp.finfo(self.dtype).max)
+        # Each traced value cast to a dtype once, however many operations
+        # read it: (id of the value, dtype) -> (the value, its cast). Only
+        # tracers, which live in one trace; the value is kept so that its id
+        # is not reused.
+        self._casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
+
+    def cast_inputs(self, eqn: Any, invals: Sequence[Any], dtype: np.dtype) -> list[Any]:
+        """``eqn``'s declared-float32 inputs cast to ``dtype``, the casts
+        placed at ``eqn``'s line of the user's code (for errors and
+        ``range_report``)."""
+        with at_source(eqn):
+            return [self._cast(x, dtype) if _declared_f32(v) else x for v, x in zip(eqn.invars, invals, strict=True)]
+
+    def _cast(self, x: Any, dtype: np.dtype) -> Any:
+        if not isinstance(x, jax.core.Tracer):
+            return _convert_to(x, dtype)
+        key = (id(x), dtype)
+        if key not in self._casts:
+            self._casts[key] = (x, _convert_to(x, dtype))
+        return self._casts[key][1]
+
+    def _too_wide(self, x: Any) -> bool:
+        """Whether ``x`` is a constant (known while tracing) with a finite
+        value beyond the half dtype's range, e.g. ``jnp.finfo(jnp.float32).min``
+        as a mask: cast down, it would become an infinity."""
+        if isinstance(x, jax.core.Tracer) or _dtype(x) is None:
+            return False
+        magnitude = np.abs(np.asarray(x, dtype=np.float32))
+        return bool(np.any(np.isfinite(magnitude) & (magnitude > self.largest)))
 
     def mode(self, eqn: Any, labels: Sequence[Labels], frame: Frame) -> Mode:
         del labels
         if in_full_precision(eqn, frame):
             return Mode.KEEP
-        modes = structure_of(eqn).modes  # type: ignore[union-attr]  # asked only for structured ones
-        return Mode.REBUILD if Mode.REBUILD in modes else Mode.ENTER
+        if eqn.primitive.name in _CALLS:
+            return Mode.ENTER
+        return Mode.REBUILD
 
     def propagate(self, eqn: Any, labels: Sequence[Labels], frame: Frame) -> list[Labels]:
         name = eqn.primitive.name
@@ -119,15 +159,14 @@ class Autocast(Hooks):
         name = eqn.primitive.name
         if equation.mode is not Mode.KEEP:
             if name in _AT_DECLARED:
-                invals = cast_inputs(eqn, invals, _F32)
+                invals = self.cast_inputs(eqn, invals, _F32)
             return bind_default(invals)
         if structure_of(eqn) is not None or in_full_precision(eqn, equation.frame):
             return self._declared(eqn, invals)
         if name in HALF:
             return self._half(eqn, invals)
         if name in FLOAT32:
-            self.counts["float32"] += 1
-            return bind(eqn, cast_inputs(eqn, invals, _F32))
+            return bind(eqn, self.cast_inputs(eqn, invals, _F32))
         if name == "convert_element_type":
             return self._convert(eqn, invals)
         if name in FOLLOW:
@@ -135,15 +174,13 @@ class Autocast(Hooks):
         return self._declared(eqn, invals)
 
     def _declared(self, eqn: Any, invals: list[Any]) -> list[Any]:
-        self.counts["declared"] += 1
-        return bind(eqn, cast_inputs(eqn, invals, _F32))
+        return bind(eqn, self.cast_inputs(eqn, invals, _F32))
 
     def _half(self, eqn: Any, invals: list[Any]) -> list[Any]:
         floating = [v for v in eqn.invars if jnp.issubdtype(v.aval.dtype, jnp.floating)]
         if not floating or not all(_declared_f32(v) for v in floating):
             return self._declared(eqn, invals)
-        self.counts["half"] += 1
-        vals = cast_inputs(eqn, invals, self.dtype)
+        vals = self.cast_inputs(eqn, invals, self.dtype)
         params = dict(eqn.params)
         if params.get("preferred_element_type") is not None:
             params["preferred_element_type"] = self.dtype
@@ -162,15 +199,20 @@ class Autocast(Hooks):
         reads_half = any(_declared_f32(v) and _dtype(x) == self.dtype for v, x in zip(eqn.invars, invals, strict=True))
         if not reads_half:
             return bind(eqn, invals)
-        self.counts["follow"] += 1
         pinned = any(
-            _declared_f32(v) and FLOAT32_RESULT in tag for v, tag in zip(eqn.invars, equation.labels, strict=True)
+            _declared_f32(v) and (FLOAT32_RESULT in tag or self._too_wide(x))
+            for v, x, tag in zip(eqn.invars, invals, equation.labels, strict=True)
         )
         dtype = _F32 if pinned else self.dtype
-        return bind(eqn, cast_inputs(eqn, invals, dtype))
+        return bind(eqn, self.cast_inputs(eqn, invals, dtype))
 
 
 def rewrite(closed: Any, args: Sequence[Any], dtype: np.dtype) -> list[Any]:
     """The outputs of ``closed`` on ``args`` with each operation in the
-    dtype its list gives it (``dtype`` the half precision)."""
-    return Interpreter(Autocast(dtype)).run(closed, args)
+    dtype its list gives it (``dtype`` the half precision). A program
+    without a product or convolution has nothing to compute in half
+    precision: it is evaluated as it is (its calls compiled as they were,
+    so its results are the function's own, bit for bit)."""
+    if any(eqn.primitive.name in HALF for eqn in equations(closed.jaxpr)):
+        return Interpreter(Autocast(dtype)).run(closed, args)
+    return Interpreter().run(closed, args)
