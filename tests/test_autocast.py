@@ -453,3 +453,37 @@ def test_float16_training_with_dynamic_loss_scaling_matches_float32():
     assert loss32 < 0.2 * first
     assert abs(loss16 - loss32) < 0.05 * first, (loss16, loss32, first)
     assert float(ls.get_scale(state16)) >= 1.0
+
+
+def test_a_constant_beyond_the_half_range_keeps_its_operation_in_float32():
+    def scores(w, x):
+        s = x @ w
+        mask = jnp.tril(jnp.ones(s.shape, bool))
+        return jnp.where(mask, s, jnp.finfo(jnp.float32).min)
+
+    w, x = SQUARE[0][0], XS[:, :32]
+    out = ls.autocast(scores)(w, x[:32])
+    # float32's minimum cast to float16 would be -inf; the select ran in float32.
+    assert bool(jnp.all(jnp.isfinite(out)))
+    assert float(jnp.min(out)) == float(jnp.finfo(jnp.float32).min)
+
+
+def test_each_value_is_cast_once_per_dtype():
+    eqns = jax.make_jaxpr(ls.autocast(models.block_loss))(*BLOCK).jaxpr.eqns
+    converts = [
+        (id(e.invars[0]), str(e.params["new_dtype"]))
+        for e in eqns
+        if e.primitive.name == "convert_element_type" and not hasattr(e.invars[0], "val")
+    ]
+    assert len(converts) == len(set(converts))
+
+
+def test_softmax_runs_in_float32_from_its_input():
+    def attention_weights(w, x):
+        return jax.nn.softmax(x @ w, axis=-1)
+
+    eqns = all_equations(ls.autocast(attention_weights), SQUARE[0][0], XS)
+    names = {e.primitive.name: dtypes_of(e.outvars) for e in eqns}
+    assert names["dot_general"] == [F16]
+    assert names["reduce_max"] == names["exp"] == names["reduce_sum"] == names["div"] == [F32]
+    assert ls.autocast(attention_weights)(SQUARE[0][0], XS).dtype == F32

@@ -8,11 +8,12 @@ operation                              runs in
 ``dot_general``,                       ``dtype`` (float32 operands cast
 ``conv_general_dilated`` (``HALF``)    where they are read)
 ``exp``, ``log``, ``pow``, ``rsqrt``,  float32 (half operands cast up):
-sums, products, cumulative sums, the   softmax, logsumexp, cross-entropy,
-special functions (``FLOAT32``)        a norm's statistics
+sums, products, cumulative sums,       softmax, logsumexp, cross-entropy,
+``reduce_max``, the special functions  a norm's statistics
+(``FLOAT32``)
 arithmetic, comparisons, selections,   their inputs' dtype: half if one
-reshapes, slices, max (``FOLLOW``)     is half, unless another is a
-                                       float32 result of the row above
+reshapes, slices, elementwise max      is half, unless another is a
+(``FOLLOW``)                           float32 result of the row above
 anything else (random bits, sort,      as declared (inputs cast back)
 scatter, callbacks, Pallas and custom
 calls)

@@ -22,7 +22,7 @@ primitives:
   these, so they end up in float32 without being named.
 * ``FOLLOW``: operations that compute nothing that half precision cannot
   hold more than their inputs already did (arithmetic, comparisons,
-  selections, reshapes, slices, max-reductions): they run in their inputs'
+  selections, reshapes, slices, min-reductions, pooling by max): they run in their inputs'
   dtype. This is TensorFlow's "infer" and "clear" lists: half precision
   propagates through them, so that a bias added to a product, an
   activation and a residual stay in half precision as a hand-cast model's
@@ -74,8 +74,14 @@ FLOAT32 = frozenset(
         "polygamma",
         "bessel_i0e",
         "bessel_i1e",
+        # the shift that begins a softmax, log-softmax and logsumexp: with it
+        # in float32 they run in float32 from their input on, as torch's
+        # softmax does (and the input is kept once, in float32, for the
+        # backward pass, not in both dtypes)
+        "reduce_max",
         # sums and products of many terms
         "reduce_sum",
+        "reduce_window_sum",
         "reduce_prod",
         "cumsum",
         "cumprod",
@@ -141,8 +147,11 @@ FOLLOW = frozenset(
         "stop_gradient",
         "optimization_barrier",
         # reductions that pick one of their inputs
-        "reduce_max",
         "reduce_min",
+        "reduce_window_max",
+        "reduce_window_min",
+        "cummax",
+        "cummin",
         "argmax",
         "argmin",
         "reduce_and",
