@@ -22,6 +22,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "loss_scale"
 # Bottom to top. A unit may import units of its own layer (without a cycle)
 # and of the layers below it.
 LAYERS: dict[str, tuple[str, ...]] = {
+    # The one interpreter of jaxprs: it imports nothing of the package.
+    "engine": ("_jaxpr",),
     "numerics": (
         "_types",
         "_saturating",
@@ -32,7 +34,6 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "_validate",
         "_signatures",
         "_skip",
-        "_jaxpr",
         "_autocast",
     ),
     "rules": ("_rules",),
@@ -171,7 +172,7 @@ def test_rules_import_nothing_above_the_numerics():
         module = module_name(path, PACKAGE)
         for line, target, text in imports(path.read_text(), module, path.name == "__init__.py"):
             unit = unit_of(target)
-            assert unit is None or unit == "_rules" or RANK[unit] == 0, f"{path.name}:{line}: {text}"
+            assert unit is None or unit == "_rules" or RANK[unit] <= RANK["_check"], f"{path.name}:{line}: {text}"
 
 
 def write_package(tmp_path: pathlib.Path, files: dict[str, str]) -> pathlib.Path:
