@@ -77,8 +77,8 @@ then those of its body. Rebuilding one traces its body apart from the
 caller, so hooks must not make it read the caller's traced values (the
 interpreter raises; enter it instead).
 
-How the package's walkers map onto it (``_segments`` and ``_skip`` are
-its clients; the others move onto it in a later step):
+Its clients (no other module of the package walks a jaxpr or binds an
+equation: ``tests/test_engine_walkers.py``):
 
 * ``_probe.Evaluator`` (``value_grad_and_peak``, ``range_report``): mode
   ENTER for jit/closed_call/checkpoint, KEEP for the rest; ``equation``
@@ -102,12 +102,18 @@ its clients; the others move onto it in a later step):
   ``Interpreter.evaluate`` of the body, its ``Frame.data`` the step's.
 * ``_segments.marker``: ``marker_name`` stays a predicate on an
   equation, used by the two above.
-* ``_skip._evaluate``/``_evaluate_selecting``: labels ``{"suspect"}`` on
-  the gradients; ``mode`` ENTER for calls (checkpoint and custom
-  calls included) that read a suspect value; ``equation`` guards
-  ``GUARDED`` operations on suspect inputs and, at the top frame, selects
-  the outputs that are state leaves; ``propagate`` marks selected outputs
-  suspect.
+* ``_skip._SelectPath`` (``_evaluate_selecting``): labels
+  ``{"suspect"}`` on the gradients; ``mode`` ENTER for calls (checkpoint
+  and custom calls included: those whose ``Structure`` supports it) that
+  read a suspect value; ``equation`` guards ``GUARDED`` operations on
+  suspect inputs and, at the top frame, selects the outputs that are state
+  leaves; ``relabel`` marks selected outputs suspect.
+* ``_autocast._rewrite.Autocast`` (``ls.autocast``): ``mode`` ENTER for
+  jit/closed_call, REBUILD for every other structured primitive (KEEP
+  inside ``full_precision``); ``equation`` casts each equation's inputs
+  to the dtype its list gives it; ``propagate`` labels float32 results;
+  ``outputs`` casts a loop's, a branch's and a custom rule's body back to
+  its declared dtypes.
 """
 
 from loss_scale._jaxpr._compat import bind, closed_parts, equations, is_dropped, is_literal, sub_jaxprs, walk
