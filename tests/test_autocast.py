@@ -487,3 +487,30 @@ def test_softmax_runs_in_float32_from_its_input():
     assert names["dot_general"] == [F16]
     assert names["reduce_max"] == names["exp"] == names["reduce_sum"] == names["div"] == [F32]
     assert ls.autocast(attention_weights)(SQUARE[0][0], XS).dtype == F32
+
+
+def test_under_and_around_shard_map():
+    from jax.sharding import PartitionSpec as P
+
+    mesh = jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+    w, x = SQUARE[0][0], XS
+
+    def loss(w, x):
+        return jnp.mean(jnp.exp(jnp.tanh(x @ w)))
+
+    def per_shard(w, x):
+        value, grad = jax.value_and_grad(ls.autocast(loss))(w, x)
+        return jax.lax.pmean(value, "data"), jax.lax.pmean(grad, "data")
+
+    mapped = jax.jit(jax.shard_map(per_shard, mesh=mesh, in_specs=(P(), P("data")), out_specs=(P(), P())))
+    value, grad = mapped(w, x)
+    assert rel_err(value, loss(w, x)) < 1e-2 and grad.dtype == F32
+
+    def sharded_loss(w, x):
+        h = jax.shard_map(lambda w, x: jnp.tanh(x @ w), mesh=mesh, in_specs=(P(), P("data")), out_specs=P("data"))(w, x)
+        return jnp.mean(jnp.exp(h))
+
+    eqns = all_equations(ls.autocast(sharded_loss), w, x)
+    assert [dtypes_of(e.outvars) for e in eqns if e.primitive.name == "dot_general"] == [[F16]]
+    assert rel_err(ls.autocast(sharded_loss)(w, x), sharded_loss(w, x)) < 1e-2
+    assert jax.grad(ls.autocast(sharded_loss))(w, x).dtype == F32
