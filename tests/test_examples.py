@@ -105,6 +105,44 @@ def test_equinox_mlp_trains_in_float16(tmp_path, capsys):
     assert plot.stat().st_size > 10_000
 
 
+def test_autocast_mlp_ends_within_1_percent_of_the_hand_cast_model(tmp_path, capsys):
+    # A model written in float32, ls.autocast + ls.dynamic, against the same model
+    # cast by hand (params and images to float16, logits to float32) and float32:
+    # the same initialization and batches, the default 200 steps.
+    pytest.importorskip("equinox")
+    pytest.importorskip("sklearn")
+    plot = tmp_path / "autocast.png"
+    module = load("autocast_mlp")
+    results = module.main(["--plot", str(plot)])
+    out = capsys.readouterr().out
+    runs = results["runs"]
+    assert list(runs) == [module.AUTOCAST, module.HAND_CAST, module.FLOAT32]
+    autocast, hand_cast, float32 = (runs[label]["final_loss"] for label in runs)
+    # The claim the script prints and checks: within 1% of the hand-cast model.
+    assert abs(autocast - hand_cast) <= 0.01 * hand_cast, (autocast, hand_cast)
+    assert results["within_tolerance"] and "(within 1%)" in out and results["summary"] in out
+    assert abs(autocast - float32) <= 0.02 * float32, (autocast, float32)
+    # It trains, in float16: the products of a gradient step are float16 (float32
+    # without autocast), the scale grew, no step was skipped.
+    first = runs[module.AUTOCAST]["losses"][0]
+    assert autocast < 0.1 * first and runs[module.AUTOCAST]["test_accuracy"] > 0.9
+    assert results["product_dtypes"][module.AUTOCAST] == results["product_dtypes"][module.HAND_CAST] == {"float16": 8}
+    assert results["product_dtypes"][module.FLOAT32] == {"float32": 8}
+    for label in (module.AUTOCAST, module.HAND_CAST):
+        assert runs[label]["final_scale"] > 2.0**15 and runs[label]["skipped_steps"] == 0
+        assert len(runs[label]["losses"]) == 200 and all(math.isfinite(x) for x in runs[label]["losses"])
+    assert runs[module.FLOAT32]["final_scale"] == 1.0
+    assert plot.stat().st_size > 10_000
+
+
+def test_autocast_mlp_fails_outside_its_tolerance(capsys):
+    # The check can fail: with a tolerance below the measured gap it says so.
+    module = load("autocast_mlp")
+    results = module.main(["--steps", "20", "--tolerance", "0"])
+    assert results["gap_to_hand_cast"] != 0.0 and not results["within_tolerance"]
+    assert "NOT within 0%" in capsys.readouterr().out
+
+
 def test_next_token_model_and_batches():
     from flax import nnx
 
@@ -148,7 +186,7 @@ def test_help_shows_every_default(name):
 
 
 def test_the_examples_are_found():
-    assert SCRIPTS == ["cnn_digits", "debug_overflow", "equinox_mlp", "nnx_lm", "quickstart"]
+    assert SCRIPTS == ["autocast_mlp", "cnn_digits", "debug_overflow", "equinox_mlp", "nnx_lm", "quickstart"]
 
 
 def test_results_table():

@@ -47,6 +47,7 @@ def test_every_notebook_has_its_source():
             "03_diagnostics",
             "04_why_did_my_run_fail",
             "05_per_segment_scaling",
+            "06_automatic_mixed_precision",
         ]
     )
     assert not (NOTEBOOK_DIR / "_build.py").exists()
