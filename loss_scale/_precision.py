@@ -196,7 +196,7 @@ class Policy:
         convolutions in ``compute_dtype`` (``loss_scale.autocast``), and its
         floating outputs cast to ``output_dtype``.
 
-        Example:
+        Examples:
           >>> import jax.numpy as jnp, loss_scale as ls
           >>> policy = ls.Policy.from_string("params=f32,compute=f16,output=f32")
           >>> logits = policy.autocast(lambda w, x: x @ w)(jnp.ones((4, 3)), jnp.ones((2, 4)))

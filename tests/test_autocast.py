@@ -455,17 +455,19 @@ def test_float16_training_with_dynamic_loss_scaling_matches_float32():
     assert float(ls.get_scale(state16)) >= 1.0
 
 
-def test_a_constant_beyond_the_half_range_keeps_its_operation_in_float32():
+@pytest.mark.parametrize("fill", [float(jnp.finfo(jnp.float32).min), -1e9])
+@pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
+def test_a_constant_beyond_the_half_range_keeps_its_operation_in_float32(fill, jit):
     def scores(w, x):
         s = x @ w
         mask = jnp.tril(jnp.ones(s.shape, bool))
-        return jnp.where(mask, s, jnp.finfo(jnp.float32).min)
+        return jnp.where(mask, s, fill)
 
-    w, x = SQUARE[0][0], XS[:, :32]
-    out = ls.autocast(scores)(w, x[:32])
-    # float32's minimum cast to float16 would be -inf; the select ran in float32.
+    f = ls.autocast(scores)
+    out = (jax.jit(f) if jit else f)(SQUARE[0][0], XS[:32])
+    # The fill cast to float16 would be -inf; the select ran in float32.
     assert bool(jnp.all(jnp.isfinite(out)))
-    assert float(jnp.min(out)) == float(jnp.finfo(jnp.float32).min)
+    assert float(jnp.min(out)) == np.float32(fill)
 
 
 def test_each_value_is_cast_once_per_dtype():

@@ -92,7 +92,7 @@ def autocast(fun: F, dtype: Any = jax.numpy.float16) -> F:
     Returns:
       The rewritten function.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, loss_scale as ls
       >>> def loss_fn(w, x):
       ...     return jnp.mean(jax.nn.log_softmax(x @ w) ** 2)
@@ -137,7 +137,7 @@ def full_precision(fn: F) -> F:
     (operations that combine them with half-precision values run in
     float32). Outside ``autocast`` it is ``fn``.
 
-    Example:
+    Examples:
       >>> import jax, jax.numpy as jnp, loss_scale as ls
       >>> def loss_fn(w, x):
       ...     logits = ls.full_precision(jnp.dot)(x, w)

@@ -12,9 +12,9 @@ primitives:
 * ``FLOAT32``: operations whose result loses range or accuracy in half
   precision. Exponentials and logarithms overflow or lose their small
   arguments (``exp(12) > 65504``); sums and products of many terms lose
-  the small terms and overflow (a mean over 65536 values of 1.0 is inf in
-  float16); the special functions lose accuracy near their poles. These
-  are torch's float32 list (``exp``, ``log``, ``pow``, ``rsqrt``,
+  the small terms and overflow (a sum of 65536 ones is beyond float16's
+  largest number, 65504); the special functions lose accuracy near their
+  poles. These are torch's float32 list (``exp``, ``log``, ``pow``, ``rsqrt``,
   ``erfinv``, ``sum``, ``prod``, ``cumsum``, ``softmax``'s and the norms'
   pieces) and TensorFlow's deny list (``Exp``, ``Log``, ``Pow``,
   ``Softmax``, ``Sum``, ``Mean``'s reduction). A softmax, log-softmax,

@@ -147,6 +147,18 @@ class Autocast(Hooks):
         floating = [tag for v, tag in zip(eqn.invars, labels, strict=True) if _declared_f32(v)]
         return [NO_LABELS.union(*floating)] * len(eqn.outvars)
 
+    def relabel(self, equation: Equation, labels: list[Labels]) -> list[Labels]:
+        # A constant beyond the half range (a mask's fill, float32's minimum
+        # or -1e9) and what moves it (a broadcast, a reshape) are float32
+        # results too: an operation that reads one with a half value runs
+        # in float32 rather than turn the constant into an infinity.
+        eqn = equation.eqn
+        if (eqn.primitive.name in FOLLOW or eqn.primitive.name == "convert_element_type") and any(
+            _declared_f32(v) and self._too_wide(equation.read(v)) for v in eqn.invars
+        ):
+            return [_PINNED] * len(labels)
+        return labels
+
     def outputs(self, jaxpr: Any, outs: list[Any], frame: Frame) -> list[Any]:
         if not frame.within or frame.within[-1][0] in _AT_DECLARED:
             return as_declared(jaxpr.outvars, outs)
