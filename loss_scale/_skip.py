@@ -206,7 +206,7 @@ def _zero_gradients(go: jax.Array, args: Sequence[Any], num_grads: int) -> list[
     non-finite."""
 
     def zeroed(g):
-        return jnp.where(go, g, jnp.zeros((), g.dtype)) if is_float_leaf(g) else g
+        return _select(go, g, 0) if is_float_leaf(g) else g
 
     return [zeroed(g) for g in args[:num_grads]] + list(args[num_grads:])
 
@@ -305,9 +305,16 @@ def _guard(go: jax.Array, value: Any, safe: float) -> Any:
     ``GUARDED`` operation is finite)."""
     if not hasattr(value, "dtype") or not jnp.issubdtype(value.dtype, jnp.inexact):
         if hasattr(value, "dtype") and jnp.issubdtype(value.dtype, jnp.integer):
-            return jnp.where(go, value, jnp.ones((), value.dtype))
+            return _select(go, value, 1)
         return value
-    return jnp.where(go, value, jnp.asarray(safe, value.dtype))
+    return _select(go, value, safe)
+
+
+def _select(go: jax.Array, value: jax.Array, fill: float) -> jax.Array:
+    """``value`` where the scalar ``go``, else ``fill``: a ``select`` bound
+    directly (``jnp.where`` is a jitted function, and the guards call it
+    thousands of times while tracing a large update)."""
+    return jax.lax.select(go, value, jax.lax.full(value.shape, fill, value.dtype))
 
 
 def kept_inner_state(before: optax.OptState, after: optax.OptState) -> optax.OptState:
