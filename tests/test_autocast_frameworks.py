@@ -108,5 +108,8 @@ def test_range_report_shows_each_operations_dtype_at_the_users_line():
     assert ("exp", "float32") in rows or ("reduce_sum", "float32") in rows
     products = [row for row in report.rows if row.primitive == "dot_general"]
     assert all("_autocast_models.py" in row.where for row in products), [row.where for row in products]
+    # Operations of a jnp function autocast entered keep its name.
+    inside = [row for row in report.rows if row.primitive == "exp"]
+    assert inside and all("log_softmax" in row.where for row in inside), [row.where for row in inside]
     plain = ls.range_report(models.mlp_loss, params, x, y)
     assert {str(row.dtype) for row in plain.rows} == {"float32"}

@@ -169,7 +169,14 @@ class Autocast(Hooks):
     ) -> list[Any]:
         eqn = equation.eqn
         name = eqn.primitive.name
-        if equation.mode is not Mode.KEEP:
+        if equation.mode is Mode.ENTER:
+            # The call's equations join the caller's under its name (as
+            # ``jit(log_softmax)``), so errors and ``range_report`` still say
+            # where they come from.
+            label = eqn.params.get("name")
+            with at_source(eqn), jax.named_scope(f"{name}({label})" if isinstance(label, str) else name):
+                return bind_default(invals)
+        if equation.mode is Mode.REBUILD:
             if name in _AT_DECLARED:
                 invals = self.cast_inputs(eqn, invals, _F32)
             return bind_default(invals)
