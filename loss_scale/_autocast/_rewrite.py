@@ -38,6 +38,7 @@ from loss_scale._jaxpr import (
     structure_of,
 )
 from loss_scale._jaxpr._compat import at_source
+from loss_scale._jaxpr._structured import scope_part
 
 _F32 = np.dtype(np.float32)
 _PINNED: Labels = frozenset({FLOAT32_RESULT})
@@ -173,8 +174,7 @@ class Autocast(Hooks):
             # The call's equations join the caller's under its name (as
             # ``jit(log_softmax)``), so errors and ``range_report`` still say
             # where they come from.
-            label = eqn.params.get("name")
-            with at_source(eqn), jax.named_scope(f"{name}({label})" if isinstance(label, str) else name):
+            with at_source(eqn), jax.named_scope(scope_part(eqn)):
                 return bind_default(invals)
         if equation.mode is Mode.REBUILD:
             if name in _AT_DECLARED:

@@ -49,12 +49,18 @@ class Structure:
     enter: Callable[..., Evaluated] | None = None
 
 
+def scope_part(eqn: Any) -> str:
+    """How a structured equation is named in a scope: ``jit(log_softmax)``,
+    or the primitive's name where the equation has no name of its own."""
+    name = eqn.primitive.name
+    label = eqn.params.get("name")
+    return f"{name}({label})" if isinstance(label, str) else name
+
+
 def child(interp: Interpreter, eqn: Any, index: int, body: int, mode: Mode, frame: Frame) -> Frame:
     """The frame of body ``body`` of equation ``index`` of ``frame``'s jaxpr."""
     name = eqn.primitive.name
-    label = eqn.params.get("name")
-    part = f"{name}({label})" if isinstance(label, str) else name
-    scope = "/".join(p for p in (frame.scope, str(eqn.source_info.name_stack), part) if p)
+    scope = "/".join(p for p in (frame.scope, str(eqn.source_info.name_stack), scope_part(eqn)) if p)
     return Frame(
         scope=scope,
         path=(*frame.path, index, body),
