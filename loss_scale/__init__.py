@@ -16,6 +16,7 @@ from loss_scale._factories import dynamic, no_op, predictive, static
 from loss_scale._find import find_state
 from loss_scale._fused import apply_gradients
 from loss_scale._grad import get_scale, scale_loss, unscale, value_and_grad
+from loss_scale._low_precision import LowPrecisionState, low_precision
 from loss_scale._metrics import metrics, overflow_paths
 from loss_scale._migrate import migrate_state, wrap_opt_state
 from loss_scale._peak import value_grad_and_peak
@@ -32,6 +33,7 @@ __all__ = [
     "Float16StateWarning",
     "LossScaleState",
     "LossScaleTransformation",
+    "LowPrecisionState",
     "Policy",
     "RangeReport",
     "RangeRow",
@@ -52,6 +54,7 @@ __all__ = [
     "for_dtype",
     "full_precision",
     "get_scale",
+    "low_precision",
     "metrics",
     "migrate_state",
     "no_op",

@@ -43,10 +43,12 @@ def warn_about_float16_state(inner_state: optax.OptState) -> None:
     """float16 optimizer state is a classic source of silent instability:
     Adam's eps=1e-8 rounds to 0 in float16 (an update of 0/0 = nan once a
     second moment underflows), and squared gradients below about 6e-8
-    underflow to 0. bfloat16 has float32's range and is not flagged."""
+    underflow to 0. bfloat16 has float32's range and is not flagged, nor
+    are the fields a state declares float16 by design (``ls.low_precision``'s
+    compensation buffer: a rounding error, not a moment)."""
     paths = [
         jax.tree_util.keystr(path)
-        for path, leaf in jax.tree_util.tree_flatten_with_path(inner_state)[0]
+        for path, leaf in jax.tree_util.tree_flatten_with_path(_without_float16_by_design(inner_state))[0]
         if getattr(leaf, "dtype", None) == jnp.float16
     ]
     if paths:
@@ -54,10 +56,30 @@ def warn_about_float16_state(inner_state: optax.OptState) -> None:
         warnings.warn(
             f"the optimizer state has float16 leaves ({shown}). In float16, Adam's eps=1e-8 is 0 and second "
             "moments below 6e-8 underflow to 0, which gives nan or huge updates. Keep float32 master params "
-            "(cast to float16 inside the loss function) so the optimizer state is float32.",
+            "(cast to float16 inside the loss function) so the optimizer state is float32, or, with float16 "
+            "params under ls.low_precision, store the moments in bfloat16 or float32 (state_dtype=jnp.bfloat16).",
             Float16StateWarning,
             stacklevel=4,
         )
+
+
+def _without_float16_by_design(tree: PyTree) -> PyTree:
+    """``tree`` with ``None`` in the fields that a NamedTuple state names in
+    its ``_float16_by_design`` class attribute (other leaves keep their
+    paths)."""
+
+    def declares(node: object) -> bool:
+        return bool(getattr(type(node), "_float16_by_design", ()))
+
+    def strip(node: object) -> object:
+        if not declares(node):
+            return node
+        exempt = type(node)._float16_by_design
+        return node._replace(
+            **{f: None if f in exempt else _without_float16_by_design(getattr(node, f)) for f in node._fields}
+        )
+
+    return jax.tree.map(strip, tree, is_leaf=declares)
 
 
 class SkippedStepsError(FloatingPointError):

@@ -38,7 +38,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
     ),
     "rules": ("_rules",),
     "state": ("_state", "_settings", "_find", "_errors"),
-    "update": ("_update",),
+    "update": ("_update", "_low_precision"),
     "factories": ("_options", "_factories", "_precision"),
     "on top": (
         "_grad",
