@@ -34,7 +34,8 @@ import jax
 import numpy as np
 
 from loss_scale._autocast._lists import FLOAT32, FOLLOW, FULL_PRECISION_SCOPE, HALF
-from loss_scale._autocast._rewrite import Autocast, rewrite
+from loss_scale._autocast._modules import call_module, call_with_modules, holds_modules, module_of
+from loss_scale._autocast._rewrite import Autocast, has_products, rewrite
 
 __all__ = ["FLOAT32", "FOLLOW", "HALF", "Autocast", "autocast", "full_precision"]
 
@@ -60,6 +61,27 @@ def _is_traced(x: Any) -> bool:
     (anything else, an activation function, a Python number or flag,
     passes through as it is, as ``equinox.filter_jit`` treats it)."""
     return isinstance(x, jax.Array | np.ndarray | np.generic)
+
+
+def _rewritten_call(fun: Callable[..., Any], args: tuple, kwargs: dict, half: np.dtype) -> tuple[Any] | None:
+    """``(fun(*args, **kwargs),)`` with its operations in their lists'
+    dtypes, or None when ``fun`` computes no product or convolution (it has
+    nothing to run in half precision, and is then called as it is)."""
+    leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
+    traced = [_is_traced(x) for x in leaves]
+    arrays = [x for x, t in zip(leaves, traced, strict=True) if t]
+
+    def flat(*arrays_in: Any) -> Any:
+        it = iter(arrays_in)
+        full = [next(it) if t else x for x, t in zip(leaves, traced, strict=True)]
+        a, k = jax.tree_util.tree_unflatten(treedef, full)
+        return fun(*a, **k)
+
+    closed, shapes = jax.make_jaxpr(flat, return_shape=True)(*arrays)
+    if not has_products(closed):
+        return None
+    outs = rewrite(closed, arrays, half)
+    return (jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), outs),)
 
 
 def autocast(fun: F, dtype: Any = jax.numpy.float16) -> F:
@@ -113,19 +135,17 @@ def autocast(fun: F, dtype: Any = jax.numpy.float16) -> F:
 
     @functools.wraps(fun)
     def rewritten(*args: Any, **kwargs: Any) -> Any:
-        leaves, treedef = jax.tree_util.tree_flatten((args, kwargs))
-        traced = [_is_traced(x) for x in leaves]
-        arrays = [x for x, t in zip(leaves, traced, strict=True) if t]
+        def run(pure: Callable[..., Any], state: Any, others: list[Any]) -> Any:
+            result = _rewritten_call(pure, (state, others), {}, half)
+            return None if result is None else result[0]
 
-        def flat(*arrays_in: Any) -> Any:
-            it = iter(arrays_in)
-            full = [next(it) if t else x for x, t in zip(leaves, traced, strict=True)]
-            a, k = jax.tree_util.tree_unflatten(treedef, full)
-            return fun(*a, **k)
-
-        closed, shapes = jax.make_jaxpr(flat, return_shape=True)(*arrays)
-        outs = rewrite(closed, arrays, half)
-        return jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(shapes), outs)
+        module = module_of(fun)
+        if module is not None:
+            return call_module(run, fun, module, args, kwargs)
+        if holds_modules((args, kwargs)):
+            return call_with_modules(run, fun, args, kwargs)
+        result = _rewritten_call(fun, args, kwargs, half)
+        return fun(*args, **kwargs) if result is None else result[0]
 
     return rewritten  # type: ignore[return-value]
 
@@ -136,6 +156,14 @@ def full_precision(fn: F) -> F:
     dtypes they have without autocast and its outputs are float32 results
     (operations that combine them with half-precision values run in
     float32). Outside ``autocast`` it is ``fn``.
+
+    ``fn`` is what is called: a function, or a module instance (a flax
+    linen module made inside ``@nn.compact``, ``ls.full_precision(nn.Dense(4))(x)``;
+    an NNX or Equinox module's layer, ``ls.full_precision(self.head)(x)``), or
+    a function a module takes as an argument
+    (``nn.MultiHeadDotProductAttention(..., attention_fn=ls.full_precision(nn.dot_product_attention))``).
+    A class is refused: wrapping it would wrap its construction, not its
+    calls.
 
     Examples:
       >>> import jax, jax.numpy as jnp, loss_scale as ls
@@ -148,6 +176,15 @@ def full_precision(fn: F) -> F:
     """
     if not callable(fn):
         raise TypeError(f"full_precision: fn must be callable, got {type(fn).__name__}")
+    if isinstance(fn, type):
+        name = fn.__name__
+        raise TypeError(
+            f"full_precision wraps what is called, not a class: full_precision({name}) would keep only the "
+            f"construction of a {name} in float32, not its calls. Wrap the instance where it is called, "
+            f"ls.full_precision({name}(...))(x) (in a flax linen @nn.compact method) or "
+            f"ls.full_precision(self.layer)(x) (flax NNX, Equinox), or a function a module takes "
+            "(attention_fn=ls.full_precision(nn.dot_product_attention))"
+        )
 
     @functools.wraps(fn)
     def kept(*args: Any, **kwargs: Any) -> Any:

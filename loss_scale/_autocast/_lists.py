@@ -164,5 +164,11 @@ FOLLOW = frozenset(
 # runs in float32.
 FLOAT32_RESULT = "float32 result"
 
+# The label of a constant beyond the half dtype's range (float32's minimum
+# or -1e9 as a mask's fill, a closed-over array of 1e5) and of what moves or
+# combines it: an operation that reads one runs in float32 (a product
+# included) rather than turn it into an infinity.
+BEYOND_HALF = "beyond the half range"
+
 # ``jax.named_scope`` that ``full_precision`` puts its calls in.
 FULL_PRECISION_SCOPE = "loss_scale.full_precision"

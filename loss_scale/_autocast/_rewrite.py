@@ -24,7 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from loss_scale._autocast._lists import FLOAT32, FLOAT32_RESULT, FOLLOW, FULL_PRECISION_SCOPE, HALF
+from loss_scale._autocast._feeds import feeds_float32
+from loss_scale._autocast._lists import BEYOND_HALF, FLOAT32, FLOAT32_RESULT, FOLLOW, FULL_PRECISION_SCOPE, HALF
 from loss_scale._jaxpr import (
     NO_LABELS,
     Equation,
@@ -37,11 +38,15 @@ from loss_scale._jaxpr import (
     equations,
     structure_of,
 )
-from loss_scale._jaxpr._compat import at_source
+from loss_scale._jaxpr._compat import at_source, trace_state
 from loss_scale._jaxpr._structured import scope_part
 
 _F32 = np.dtype(np.float32)
 _PINNED: Labels = frozenset({FLOAT32_RESULT})
+_BEYOND: Labels = frozenset({BEYOND_HALF})
+# Operations a value passes through unchanged in kind (a ``FOLLOW``
+# operation or a conversion).
+_THROUGH = FOLLOW | {"convert_element_type"}
 
 # Bodies whose inputs and outputs keep their declared dtypes: a loop's
 # carries and a branch's outputs must have one type whatever the
@@ -79,6 +84,10 @@ def _convert_to(x: Any, dtype: np.dtype) -> Any:
     return lax.convert_element_type(x, dtype)
 
 
+def _as_array(var: Any, x: Any) -> Any:
+    return x if isinstance(x, jax.Array) else jnp.asarray(x, var.aval.dtype)
+
+
 def as_declared(variables: Sequence[Any], values: Sequence[Any]) -> list[Any]:
     """``values`` cast back to the dtypes their variables are declared with."""
     return [_convert_to(x, _F32) if _declared_f32(v) else x for v, x in zip(variables, values, strict=True)]
@@ -94,18 +103,22 @@ class Autocast(Hooks):
     """The hooks: each equation in its list's dtype, bodies rebuilt.
 
     Labels mark the float32 values computed in float32 on purpose
-    (``FLOAT32_RESULT``): the outputs of the ``FLOAT32`` list and of
-    ``full_precision`` calls, and what ``FOLLOW`` operations compute from
-    them in float32."""
+    (``FLOAT32_RESULT``): the outputs of the ``FLOAT32`` list, of
+    ``full_precision`` calls and of ``FOLLOW`` operations that feed a
+    ``FLOAT32`` one (``feeding``, from ``_feeds.feeds_float32``), and what
+    ``FOLLOW`` operations compute from them; and the constants beyond the
+    half range (``BEYOND_HALF``) with what moves or combines them."""
 
-    def __init__(self, dtype: np.dtype):
+    def __init__(self, dtype: np.dtype, feeding: frozenset = frozenset()):
         self.dtype = np.dtype(dtype)
         self.largest = float(jnp.finfo(self.dtype).max)
-        # Each traced value cast to a dtype once, however many operations
-        # read it: (id of the value, dtype) -> (the value, its cast). Only
-        # tracers, which live in one trace; the value is kept so that its id
-        # is not reused.
-        self._casts: dict[tuple[int, Any], tuple[Any, Any]] = {}
+        self.feeding = feeding
+        # Each traced value cast to a dtype once per trace, however many
+        # operations read it: (id of the value, dtype) -> [(trace, the value,
+        # its cast)]. The value is kept so that its id is not reused; the
+        # trace, because a cast made inside a loop body's trace is a value of
+        # that trace only (a weight read inside a scan and after it).
+        self._casts: dict[tuple[int, Any], list[tuple[Any, Any, Any]]] = {}
 
     def cast_inputs(self, eqn: Any, invals: Sequence[Any], dtype: np.dtype) -> list[Any]:
         """``eqn``'s declared-float32 inputs cast to ``dtype``, the casts
@@ -115,21 +128,38 @@ class Autocast(Hooks):
             return [self._cast(x, dtype) if _declared_f32(v) else x for v, x in zip(eqn.invars, invals, strict=True)]
 
     def _cast(self, x: Any, dtype: np.dtype) -> Any:
-        if not isinstance(x, jax.core.Tracer):
+        if not isinstance(x, jax.core.Tracer) or _dtype(x) == dtype:
             return _convert_to(x, dtype)
-        key = (id(x), dtype)
-        if key not in self._casts:
-            self._casts[key] = (x, _convert_to(x, dtype))
-        return self._casts[key][1]
+        made = self._casts.setdefault((id(x), dtype), [])
+        now = trace_state()
+        for trace, _, cast in made:
+            if trace == now:
+                return cast
+        cast = _convert_to(x, dtype)
+        made.append((now, x, cast))
+        return cast
 
-    def _too_wide(self, x: Any) -> bool:
-        """Whether ``x`` is a constant (known while tracing) with a finite
-        value beyond the half dtype's range, e.g. ``jnp.finfo(jnp.float32).min``
-        as a mask: cast down, it would become an infinity."""
-        if isinstance(x, jax.core.Tracer) or _dtype(x) is None:
+    def _beyond_half(self, x: Any) -> bool:
+        """Whether ``x``, a value known while tracing, holds a finite value
+        beyond the half dtype's range (cast down, it would become an
+        infinity)."""
+        if isinstance(x, jax.core.Tracer) or not _float32(_dtype(x) or np.result_type(x)):
             return False
         magnitude = np.abs(np.asarray(x, dtype=np.float32))
         return bool(np.any(np.isfinite(magnitude) & (magnitude > self.largest)))
+
+    def const_labels(self, value: Any) -> Labels:
+        return _BEYOND if self._beyond_half(value) else NO_LABELS
+
+    def _wide(self, eqn: Any, labels: Sequence[Labels]) -> bool:
+        """Whether ``eqn`` reads a value beyond the half range: a constant
+        (a literal, a closed-over array) or what was computed from one.
+        Arguments are never looked at, eagerly or under ``jit``: what is
+        decided does not depend on how the function is called."""
+        return any(_declared_f32(v) and BEYOND_HALF in tag for v, tag in zip(eqn.invars, labels, strict=True))
+
+    def _feeds(self, eqn: Any) -> bool:
+        return any(v in self.feeding for v in eqn.outvars)
 
     def mode(self, eqn: Any, labels: Sequence[Labels], frame: Frame) -> Mode:
         del labels
@@ -139,28 +169,30 @@ class Autocast(Hooks):
             return Mode.ENTER
         return Mode.REBUILD
 
+    def rebuild_with_effects(self, eqn: Any, frame: Frame) -> bool:
+        # A body that prints or calls back is rewritten like any other; its
+        # effects are traced again in their order.
+        del eqn, frame
+        return True
+
     def propagate(self, eqn: Any, labels: Sequence[Labels], frame: Frame) -> list[Labels]:
         name = eqn.primitive.name
         if in_full_precision(eqn, frame) or name in FLOAT32:
             return [_PINNED] * len(eqn.outvars)
-        if name in HALF:
+        floating = NO_LABELS.union(*(tag for v, tag in zip(eqn.invars, labels, strict=True) if _declared_f32(v)))
+        if self._wide(eqn, labels):
+            floating = floating | _BEYOND | (_PINNED if name in HALF else NO_LABELS)
+        elif name in HALF:
             return [NO_LABELS] * len(eqn.outvars)
-        floating = [tag for v, tag in zip(eqn.invars, labels, strict=True) if _declared_f32(v)]
-        return [NO_LABELS.union(*floating)] * len(eqn.outvars)
-
-    def relabel(self, equation: Equation, labels: list[Labels]) -> list[Labels]:
-        # A constant beyond the half range (a mask's fill, float32's minimum
-        # or -1e9) and what moves it (a broadcast, a reshape) are float32
-        # results too: an operation that reads one with a half value runs
-        # in float32 rather than turn the constant into an infinity.
-        eqn = equation.eqn
-        if (eqn.primitive.name in FOLLOW or eqn.primitive.name == "convert_element_type") and any(
-            _declared_f32(v) and self._too_wide(equation.read(v)) for v in eqn.invars
-        ):
-            return [_PINNED] * len(labels)
-        return labels
+        if name in _THROUGH and self._feeds(eqn):
+            floating = floating | _PINNED
+        return [floating] * len(eqn.outvars)
 
     def outputs(self, jaxpr: Any, outs: list[Any], frame: Frame) -> list[Any]:
+        if not frame.within:
+            # A literal output (a constant the function returns) as an array
+            # of its declared dtype, as ``jax.jit`` returns it.
+            outs = [_as_array(v, x) for v, x in zip(jaxpr.outvars, outs, strict=True)]
         if not frame.within or frame.within[-1][0] in _AT_DECLARED:
             return as_declared(jaxpr.outvars, outs)
         return outs
@@ -183,6 +215,8 @@ class Autocast(Hooks):
         if structure_of(eqn) is not None or in_full_precision(eqn, equation.frame):
             return self._declared(eqn, invals)
         if name in HALF:
+            if self._wide(eqn, equation.labels):
+                return self._declared(eqn, invals)
             return self._half(eqn, invals)
         if name in FLOAT32:
             return bind(eqn, self.cast_inputs(eqn, invals, _F32))
@@ -209,8 +243,9 @@ class Autocast(Hooks):
         (var,), (x,) = eqn.invars, invals
         if _dtype(x) != var.aval.dtype and _float32(eqn.params["new_dtype"]):
             # A float32 value converted to float32 (a weak type made strong):
-            # it stays in the dtype it has.
-            return [x]
+            # it stays in the dtype it has, unless a float32 operation reads
+            # it.
+            return [_convert_to(x, _F32)] if self._feeds(eqn) else [x]
         return bind(eqn, [x])
 
     def _follow(self, equation: Equation, invals: list[Any]) -> list[Any]:
@@ -218,20 +253,24 @@ class Autocast(Hooks):
         reads_half = any(_declared_f32(v) and _dtype(x) == self.dtype for v, x in zip(eqn.invars, invals, strict=True))
         if not reads_half:
             return bind(eqn, invals)
-        pinned = any(
-            _declared_f32(v) and (FLOAT32_RESULT in tag or self._too_wide(x))
-            for v, x, tag in zip(eqn.invars, invals, equation.labels, strict=True)
-        )
-        dtype = _F32 if pinned else self.dtype
-        return bind(eqn, self.cast_inputs(eqn, invals, dtype))
+        labelled = zip(eqn.invars, equation.labels, strict=True)
+        pinned = any(_declared_f32(v) and FLOAT32_RESULT in tag for v, tag in labelled)
+        in_float32 = pinned or self._feeds(eqn) or self._wide(eqn, equation.labels)
+        return bind(eqn, self.cast_inputs(eqn, invals, _F32 if in_float32 else self.dtype))
+
+
+def has_products(closed: Any) -> bool:
+    """Whether ``closed`` computes a product or a convolution (outside
+    ``full_precision``), anything to run in half precision: a program
+    without one is left as it is (the function called itself, so its
+    results are its own, bit for bit)."""
+    return any(
+        eqn.primitive.name in HALF and FULL_PRECISION_SCOPE not in str(eqn.source_info.name_stack)
+        for eqn in equations(closed.jaxpr)
+    )
 
 
 def rewrite(closed: Any, args: Sequence[Any], dtype: np.dtype) -> list[Any]:
     """The outputs of ``closed`` on ``args`` with each operation in the
-    dtype its list gives it (``dtype`` the half precision). A program
-    without a product or convolution has nothing to compute in half
-    precision: it is evaluated as it is (its calls compiled as they were,
-    so its results are the function's own, bit for bit)."""
-    if any(eqn.primitive.name in HALF for eqn in equations(closed.jaxpr)):
-        return Interpreter(Autocast(dtype)).run(closed, args)
-    return Interpreter().run(closed, args)
+    dtype its list gives it (``dtype`` the half precision)."""
+    return Interpreter(Autocast(dtype, feeds_float32(closed.jaxpr))).run(closed, args)

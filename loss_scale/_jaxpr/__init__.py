@@ -36,11 +36,15 @@ as it is):
   way in and out (a rescale on entering a branch, on leaving a body).
 * ``child_data(eqn, body, frame, index)``: ``Frame.data`` of a body (a
   plan), for body ``body`` of equation ``index`` of ``frame``'s jaxpr.
+* ``const_labels(value)``: the labels of a jaxpr's constant (a literal or
+  a closed-over array, known while tracing), from its value.
 
 For a client that reads a program without evaluating it (a backward pass
 over its structure): ``walk(jaxpr, reverse)`` gives one jaxpr's equations
 with their indices in either order, ``sub_jaxprs``/``structure_of`` an
-equation's bodies, ``equations`` every equation at any depth, and
+equation's bodies, ``bodies`` the same with which operand each body input
+receives and which output (or, for a loop's carry, which operand) each
+body output becomes, ``equations`` every equation at any depth, and
 ``Interpreter.variable_labels``/``body_labels`` the labels of every
 variable of a jaxpr and of a structured equation's bodies' inputs (a
 loop's carries at their fixed point).
@@ -119,11 +123,12 @@ equation: ``tests/test_engine_walkers.py``):
 from loss_scale._jaxpr._compat import bind, closed_parts, equations, is_dropped, is_literal, sub_jaxprs, walk
 from loss_scale._jaxpr._hooks import NO_LABELS, Equation, Frame, Hooks, Labels, Mode
 from loss_scale._jaxpr._interpreter import Interpreter
-from loss_scale._jaxpr._structured import TABLE, Structure, structure_of
+from loss_scale._jaxpr._structured import TABLE, Body, Structure, bodies, structure_of
 
 __all__ = [
     "NO_LABELS",
     "TABLE",
+    "Body",
     "Equation",
     "Frame",
     "Hooks",
@@ -132,6 +137,7 @@ __all__ = [
     "Mode",
     "Structure",
     "bind",
+    "bodies",
     "closed_parts",
     "equations",
     "is_dropped",

@@ -61,6 +61,21 @@ def at_source(eqn: Any) -> contextlib.AbstractContextManager:
     return source_info_util.user_context(eqn.source_info.traceback, name_stack=name_stack)
 
 
+def trace_state() -> Any:
+    """A token of the trace values are being built in now: two tokens compare
+    equal (``==``; they are not hashable) only within one trace. A value
+    made in a loop body's trace must not be used outside it (JAX raises an
+    ``UnexpectedTracerError``), so a cache of values made while tracing keys
+    them by it. ``jax.extend.core`` has the function from jax 0.9 on,
+    ``jax.core`` before (deprecated there since)."""
+    import jax.extend.core as extend_core
+
+    getter = getattr(extend_core, "get_opaque_trace_state", None)
+    if getter is None:  # pragma: no cover - jax 0.8
+        getter = jax.core.get_opaque_trace_state
+    return getter(convention="loss_scale")
+
+
 def closed_parts(body: Any) -> tuple[Any, list[Any]]:
     """``(open jaxpr, consts)`` of a parameter that holds a jaxpr: a
     ``ClosedJaxpr`` (``jit``, ``cond`` branches, ``scan``; a jitted

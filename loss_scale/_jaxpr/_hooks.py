@@ -151,6 +151,15 @@ class Hooks:
         del equation
         return labels
 
+    def const_labels(self, value: Any) -> Labels:
+        """The labels of a constant of a jaxpr, from its value, which is
+        known while tracing (a constant beyond a range, say): a literal
+        written into an equation, or an array the traced function closed
+        over. Static label passes (``Interpreter.labels``) see literals but
+        not a body's own closed-over arrays: they give those none."""
+        del value
+        return NO_LABELS
+
     def inputs(self, jaxpr: Any, args: list[Any], frame: Frame) -> list[Any]:
         """A jaxpr's inputs as its equations will read them."""
         del jaxpr, frame

@@ -69,10 +69,11 @@ class Interpreter:
             return v.val if is_literal(v) else env[v]
 
         def tags_of(v: Any) -> Labels:
-            return NO_LABELS if is_literal(v) else tags.get(v, NO_LABELS)
+            return self.hooks.const_labels(v.val) if is_literal(v) else tags.get(v, NO_LABELS)
 
         for v, x in zip(jaxpr.constvars, consts, strict=True):
             env[v] = x
+            tags[v] = self.hooks.const_labels(x)
         args = self.hooks.inputs(jaxpr, list(args), frame)
         in_labels = list(labels) if labels is not None else [NO_LABELS] * len(jaxpr.invars)
         for v, x, tag in zip(jaxpr.invars, args, in_labels, strict=True):
@@ -120,7 +121,7 @@ class Interpreter:
         carries of a loop before its body is traced and for clients that
         only need the dependence (which values depend on which inputs)."""
         tags = self.variable_labels(jaxpr, labels, frame)
-        return [NO_LABELS if is_literal(v) else tags.get(v, NO_LABELS) for v in jaxpr.outvars]
+        return [self.hooks.const_labels(v.val) if is_literal(v) else tags.get(v, NO_LABELS) for v in jaxpr.outvars]
 
     def variable_labels(self, jaxpr: Any, labels: Sequence[Labels], frame: Frame) -> dict[Any, Labels]:
         """The labels of every variable of ``jaxpr`` (its inputs and its
@@ -131,7 +132,7 @@ class Interpreter:
         tags: dict[Any, Labels] = dict(zip(jaxpr.invars, labels, strict=True))
 
         def tags_of(v: Any) -> Labels:
-            return NO_LABELS if is_literal(v) else tags.get(v, NO_LABELS)
+            return self.hooks.const_labels(v.val) if is_literal(v) else tags.get(v, NO_LABELS)
 
         for index, eqn in enumerate(jaxpr.eqns):
             eqn_labels = tuple(tags_of(v) for v in eqn.invars)

@@ -315,6 +315,72 @@ TABLE: dict[str, Structure] = {
 }
 
 
+@dataclasses.dataclass(frozen=True)
+class Body:
+    """One body of a structured equation and how its values connect to the
+    equation's, for a client that follows values across the boundary
+    without evaluating anything (which operations feed which).
+
+    Attributes:
+      jaxpr: the body (an open jaxpr; its consts, if any, are not operands).
+      inputs: for each of the body's inputs, the index of the equation's
+        operand it receives (None where it receives none).
+      outputs: for each of the body's outputs, the index of the equation's
+        output it becomes (None: a ``while`` loop's predicate).
+      feedback: for each of the body's outputs, the index of the operand it
+        becomes at the next iteration (a loop's carry), or None.
+    """
+
+    jaxpr: Any
+    inputs: tuple[int | None, ...]
+    outputs: tuple[int | None, ...]
+    feedback: tuple[int | None, ...]
+
+
+def _same(body: Any, n_outs: int) -> Body:
+    jaxpr, _ = closed_parts(body)
+    none = (None,) * len(jaxpr.outvars)
+    return Body(jaxpr, tuple(range(len(jaxpr.invars))), tuple(range(n_outs)), none)
+
+
+def bodies(eqn: Any) -> list[Body]:
+    """The bodies of a structured equation with the correspondence between
+    their inputs and outputs and the equation's (empty for an equation
+    without a body): calls and ``shard_map`` pass operands and outputs
+    through in order, a ``cond``'s branches skip the index, a ``scan``'s
+    and a ``while``'s carries come back as operands."""
+    table = structure_of(eqn)
+    if table is None:
+        return []
+    params, n_outs = eqn.params, len(eqn.outvars)
+    name = eqn.primitive.name
+    if name == "cond":
+        found = []
+        for branch in params["branches"]:
+            jaxpr, _ = closed_parts(branch)
+            n = len(jaxpr.invars)
+            found.append(Body(jaxpr, tuple(range(1, n + 1)), tuple(range(n_outs)), (None,) * n_outs))
+        return found
+    if name == "scan":
+        body = _same(params["jaxpr"], n_outs)
+        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        feedback = tuple(n_consts + j if j < n_carry else None for j in range(n_outs))
+        return [dataclasses.replace(body, feedback=feedback)]
+    if name == "while":
+        n_cond, n_body = params["cond_nconsts"], params["body_nconsts"]
+        carry = n_cond + n_body
+        cond_jaxpr, _ = closed_parts(params["cond_jaxpr"])
+        body_jaxpr, _ = closed_parts(params["body_jaxpr"])
+        cond_in = tuple(j if j < n_cond else carry + j - n_cond for j in range(len(cond_jaxpr.invars)))
+        body_in = tuple(n_cond + j if j < n_body else carry + j - n_body for j in range(len(body_jaxpr.invars)))
+        return [
+            Body(cond_jaxpr, cond_in, (None,), (None,)),
+            Body(body_jaxpr, body_in, tuple(range(n_outs)), tuple(carry + j for j in range(n_outs))),
+        ]
+    key = "jaxpr" if name == "shard_map" else _call_body(eqn)[0]
+    return [_same(params[key], n_outs)]
+
+
 def structure_of(eqn: Any) -> Structure | None:
     """The structure of ``eqn``'s primitive; None for one without a body
     (or one whose parameters are not those this module knows)."""
