@@ -23,7 +23,9 @@ bound whole and their outputs probed, so a value inside them is not seen.
 
 from __future__ import annotations
 
+import functools
 import os
+import sys
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -47,24 +49,82 @@ class Site(NamedTuple):
     # The shard_map axes the value varies along: its probe must vary along
     # them too, or the probe's gradient would be summed over them.
     varying: frozenset = frozenset()
+    # The library's file:line that made it, when not the user's (``_locate``).
+    library: str = ""
 
 
 def is_probed(x: Any) -> bool:
     return hasattr(x, "dtype") and jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def _describe(eqn: Any, prefix: str) -> str:
+# The libraries whose frames are not the user's: a row's printed location
+# is the innermost frame of the equation's traceback outside them (and
+# outside jax and the standard library, which jax's own filter skips).
+_LIBRARIES = ("jax", "jaxlib", "flax", "equinox", "optax", "chex", "jaxtyping", "orbax", "haiku", "loss_scale")
+
+
+@functools.cache
+def _library_dirs(loaded: tuple[str, ...]) -> tuple[tuple[str, str], ...]:
+    """Each loaded library's directory (with a trailing separator) and the
+    directory above it, from which its files are named."""
+    dirs = []
+    for name in loaded:
+        file = getattr(sys.modules[name], "__file__", None)
+        if file:
+            here = os.path.dirname(os.path.abspath(file))
+            dirs.append((here + os.sep, os.path.dirname(here) + os.sep))
+    return tuple(dirs)
+
+
+def _library_of(file_name: str) -> str | None:
+    """``file_name`` relative to its library's parent (``flax/linen/linear.py``),
+    or None when it is not in one of ``_LIBRARIES``."""
+    for here, parent in _library_dirs(tuple(n for n in _LIBRARIES if n in sys.modules)):
+        if file_name.startswith(here):
+            return file_name[len(parent) :]
+    return None
+
+
+@functools.lru_cache(maxsize=1024)
+def _locations(traceback: Any) -> tuple[str, str]:
+    """The user's ``file:line (function)`` for an equation's traceback (the
+    innermost frame outside ``_LIBRARIES``, jax and the standard library),
+    and, when the innermost frame outside jax is a library's (the line of
+    ``flax/linen/linear.py`` that made a ``Dense``'s product), that one."""
+    from jax._src import source_info_util
+
+    frames = list(source_info_util.user_frames(traceback))
+    user = next((f for f in frames if _library_of(os.path.abspath(f.file_name)) is None), None)
+    inner = frames[0] if frames else None
+    library = ""
+    if inner is not None and inner is not user:
+        library = f"{_library_of(os.path.abspath(inner.file_name))}:{inner.start_line} ({_function(inner)})"
+    shown = user or inner  # a program made by libraries alone: their line
+    line = f"{os.path.basename(shown.file_name)}:{shown.start_line} ({_function(shown)})" if shown else ""
+    return line, library
+
+
+def _function(frame: Any) -> str:
+    """The frame's function as its class names it (``Block.__call__`` for
+    one defined inside a function, without ``f.<locals>.``)."""
+    return frame.function_name.rpartition("<locals>.")[2]
+
+
+def _locate(eqn: Any, prefix: str) -> tuple[str, str]:
     """The name stack (``jax.named_scope``, jitted functions, flax modules)
-    and the user's ``file:line (function)``."""
+    and the user's ``file:line (function)``; and the library's line when the
+    equation was made inside one (``""`` otherwise)."""
     name = "/".join(p for p in (prefix, str(eqn.source_info.name_stack)) if p)
     try:
-        from jax._src import source_info_util
-
-        frame = source_info_util.user_frame(eqn.source_info.traceback)
-        line = f"{os.path.basename(frame.file_name)}:{frame.start_line} ({frame.function_name})" if frame else ""
+        line, library = _locations(eqn.source_info.traceback)
     except Exception:  # a private helper moved: the name alone
-        line = ""
-    return " ".join(p for p in (name, line) if p)
+        line, library = "", ""
+    return " ".join(p for p in (name, line) if p), library
+
+
+def _describe(eqn: Any, prefix: str) -> str:
+    """``_locate``'s name stack and the user's ``file:line (function)``."""
+    return _locate(eqn, prefix)[0]
 
 
 _NO_TRACE = object()
@@ -118,14 +178,14 @@ class Evaluator(Hooks):
             return outs
         if structure_of(eqn) is not None:
             self.whole.add(name)
-        where = _describe(eqn, equation.frame.scope)
-        return [self.probe(x, where, name, v) for x, v in zip(outs, eqn.outvars, strict=True)]
+        where, library = _locate(eqn, equation.frame.scope)
+        return [self.probe(x, where, name, v, library) for x, v in zip(outs, eqn.outvars, strict=True)]
 
-    def probe(self, x: Any, where: str, primitive: str, var: Any = None) -> Any:
+    def probe(self, x: Any, where: str, primitive: str, var: Any = None, library: str = "") -> Any:
         if not is_probed(x):
             return x
         index = len(self.sites)
-        self.sites.append(Site(where, primitive, tuple(x.shape), x.dtype, varying_axes(jax.typeof(x))))
+        self.sites.append(Site(where, primitive, tuple(x.shape), x.dtype, varying_axes(jax.typeof(x)), library))
         self.variables.append(var)
         if self.trace is not None:
             dependent = _trace_of(x) is self.trace

@@ -15,7 +15,9 @@ rows); ``custom_jvp``/``custom_vjp`` functions and control flow (``scan``,
 ``while_loop``, ``cond``) are bound whole, and their outputs on such a path
 get a row each. Values off every such path are evaluated plainly, as
 ``jax.grad`` evaluates them (a ``while_loop`` or ``pure_callback`` on data
-works).
+works). Each probed value also records whether the operation's floating
+inputs were finite, so that a forward overflow is told from the values it
+makes non-finite downstream (``RangeRow.forward_overflows``).
 
 The report's types and its table are ``_range_rows``'s (importable from
 here too); the rows' segments and the per-segment pass ``_range_segments``'s.
@@ -24,6 +26,7 @@ here too); the rows' segments and the per-segment pass ``_range_segments``'s.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -31,12 +34,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from loss_scale import _validate as validate
+from loss_scale._check import all_finite as _all_finite
 from loss_scale._check import largest_magnitude
 from loss_scale._probe import Evaluator, is_probed, on_paths
 from loss_scale._range_rows import RangeReport, RangeRow, SegmentRow, format_report
 from loss_scale._range_segments import segment_exponents, segment_labels, segment_rows
 from loss_scale._segments.marker import cotangent_stats
-from loss_scale._types import PyTree
+from loss_scale._types import AxisName, PyTree
 from loss_scale._unscale import unscale_dtype as _at_least_float32
 from loss_scale._validate import floating_dtype
 
@@ -71,6 +76,7 @@ def range_report(
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
     segments: Mapping[str, int] | None = None,
+    axis_name: AxisName | None = None,
 ) -> RangeReport:
     """Runs ``fun(*args)`` forward and backward once at loss scale ``scale``
     and reports the range of every floating intermediate.
@@ -83,13 +89,21 @@ def range_report(
     cotangent that are 0 and below the dtype's smallest normal, and whether
     it overflows. ``max_safe_scale`` is the largest power of two at which no
     backward value overflows, found by running the backward pass at powers
-    of two around the estimate the report's own maxima give.
+    of two around the estimate the report's own maxima give; it describes
+    the backward pass alone.
+
+    An operation that overflows in the forward pass (``report.
+    forward_overflowing``: a ``square`` of float16 activations above 256,
+    a float16 product above 65504) overflows at every scale, so no loss
+    scale fixes it: the table's header names the first one before anything
+    else, and its rows come first.
 
     Jitted functions and ``jax.checkpoint`` are looked into;
     ``custom_jvp``/``custom_vjp`` functions and ``scan``, ``while_loop`` and
     ``cond`` are bound whole, a row for each of their outputs on a path to
-    the loss (``report.notes`` says which were met). It runs eagerly: called
-    under ``jit``, ``vmap`` or ``grad`` it raises a ``TypeError``.
+    the loss (``report.notes`` says which were met, and what that means for
+    the numbers). It runs eagerly: called under ``jit``, ``vmap`` or
+    ``grad`` it raises a ``TypeError``.
 
     Args:
       fun: the loss function; returns a floating scalar (or ``(loss, aux)``
@@ -111,6 +125,14 @@ def range_report(
         labelled with its segment (``RangeRow.segment``), and
         ``report.segments`` gives each segment's scale, largest cotangent
         and flush fractions with the boundaries in force.
+      axis_name: the name (or a tuple of names) of a mapped axis that the
+        loss function's collectives reduce over (``jax.lax.psum``/``pmean``,
+        flax ``BatchNorm(axis_name=...)``), which a data-parallel step binds
+        with ``shard_map`` or ``pmap``. The report runs ``fun`` as the only
+        member of that axis (``jax.vmap`` with ``axis_size=1``): the
+        collectives see the whole batch of ``args`` on one replica (a
+        ``psum`` or ``pmean`` returns its operand), as a single-device run
+        with the same global batch would.
 
     Returns:
       A ``RangeReport``.
@@ -132,6 +154,7 @@ def range_report(
     if not (isinstance(scale, int | float) and not isinstance(scale, bool)) or not (0 < scale < math.inf):
         raise ValueError(f"scale must be a positive finite number, got {scale!r}")
     dtype = None if compute_dtype is None else floating_dtype("compute_dtype", compute_dtype)
+    axis_name = validate.axis_name("axis_name", axis_name)
     if any(isinstance(x, jax.core.Tracer) for x in jax.tree.leaves(args)):
         raise TypeError(
             "range_report runs eagerly (it runs the backward pass at several scales and reads the results): "
@@ -168,8 +191,14 @@ def range_report(
             raise TypeError(f"fun must return a floating scalar loss, got {out.dtype}{list(out.shape)}")
         return out
 
+    names = () if axis_name is None else axis_name if isinstance(axis_name, tuple) else (axis_name,)
     arrays = [[leaves[i] for i in positions] for leaves, positions, _ in flat]
-    closed = jax.make_jaxpr(loss_of)(arrays)
+    try:
+        closed = jax.make_jaxpr(loss_of, axis_env=[(name, 1) for name in names])(arrays)
+    except NameError as e:
+        if "unbound axis name" not in str(e):
+            raise
+        raise NameError(_unbound_axis_message(str(e), axis_name)) from e
     in_leaves = jax.tree.leaves(arrays)
 
     # Differentiated arguments' floating leaves get rows first.
@@ -187,7 +216,7 @@ def range_report(
     offsets = np.cumsum([0] + [len(positions) for _, positions, _ in flat])
     for a, j, _ in arg_sites:
         differentiated[offsets[a] + j] = True
-    paths = on_paths(closed, in_leaves, differentiated)
+    paths = _paths_in(closed, in_leaves, differentiated, names)
     sites = paths.sites
     in_tree = jax.tree.structure(arrays)
 
@@ -195,23 +224,25 @@ def range_report(
         arrays = jax.tree.unflatten(in_tree, leaves)
         for (a, j, _), value in zip(arg_sites, diff, strict=True):
             arrays[a][j] = value
-        evaluator = Evaluator(probes, paths.probed)
+        evaluator = _Forward(probes, paths.probed)
         (loss,) = evaluator.run(closed, jax.tree.leaves(arrays))
         forward = [largest_magnitude(jax.lax.stop_gradient(x)) for x in evaluator.values]
-        return loss.astype(_at_least_float32(loss.dtype)) * s, forward
+        return loss.astype(_at_least_float32(loss.dtype)) * s, (forward, evaluator.reads_finite)
 
-    @jax.jit
     def backward(leaves, s):
         arrays = jax.tree.unflatten(in_tree, leaves)
         diff = [arrays[a][j] for a, j, _ in arg_sites]
         probes = [jnp.zeros(site.shape, site.dtype) for site in sites]
-        grads, forward = jax.grad(scaled_loss, argnums=(0, 1), has_aux=True)(probes, diff, leaves, s)
+        grads, (forward, reads_finite) = jax.grad(scaled_loss, argnums=(0, 1), has_aux=True)(probes, diff, leaves, s)
         cotangents = list(grads[1]) + list(grads[0])
         stats = []
         for ct in cotangents:
             peak, zeros, below = cotangent_stats(ct)
             stats.append((peak, zeros / ct.size, below / ct.size, jnp.isfinite(peak)))
-        return stats, [largest_magnitude(x) for x in diff] + forward
+        reads_finite = [jnp.bool_(True)] * len(diff) + list(reads_finite)  # an argument reads nothing
+        return stats, ([largest_magnitude(x) for x in diff] + forward, reads_finite)
+
+    backward = jax.jit(_only_member(backward, names))
 
     def run(s: float):
         stats, forward = jax.device_get(backward(in_leaves, jnp.float32(s)))
@@ -221,7 +252,7 @@ def range_report(
         return all(bool(finite) for *_, finite in stats)
 
     dtypes = [jnp.dtype(leaf.dtype) for a, j, _ in arg_sites for leaf in [arrays[a][j]]] + [s.dtype for s in sites]
-    stats, forward = run(scale)
+    stats, (forward, reads_finite) = run(scale)
     safe = _max_safe_scale(run, all_finite, stats, dtypes, scale)
     headroom = [math.nan] * len(stats)
     if safe is not None:
@@ -230,8 +261,8 @@ def range_report(
             math.inf if peak == 0 else float(jnp.finfo(dt).max) / float(peak)
             for (peak, *_), dt in zip(safe_stats, dtypes, strict=True)
         ]
-    described = [(label, "argument", tuple(np.shape(arrays[a][j]))) for a, j, label in arg_sites] + [
-        (s.where, s.primitive, s.shape) for s in sites
+    described = [(label, "argument", tuple(np.shape(arrays[a][j])), "") for a, j, label in arg_sites] + [
+        (s.where, s.primitive, s.shape, s.library) for s in sites
     ]
     rows = [
         RangeRow(
@@ -246,23 +277,130 @@ def range_report(
             backward_below_normal=float(below),
             overflows=not bool(finite),
             headroom=room,
+            forward_overflows=bool(reads) and not float(fmax) <= float(jnp.finfo(dt).max),
+            library=library,
         )
-        for i, ((where, primitive, shape), dt, fmax, (peak, zero, below, finite), room) in enumerate(
-            zip(described, dtypes, forward, stats, headroom, strict=True)
+        for i, ((where, primitive, shape, library), dt, fmax, reads, (peak, zero, below, finite), room) in enumerate(
+            zip(described, dtypes, forward, reads_finite, stats, headroom, strict=True)
         )
     ]
-    notes = []
-    if paths.inlined:
-        notes.append("looked into: " + ", ".join(sorted(paths.inlined)))
-    if paths.whole:
-        notes.append("kept whole (their outputs only): " + ", ".join(sorted(paths.whole)))
     per_segment = None
     if segments is not None:
         exponents = segment_exponents(segments)
         labels = segment_labels(closed, differentiated, exponents, paths, len(arg_sites))
         rows = [row._replace(segment=label) for row, label in zip(rows, labels, strict=True)]
-        per_segment = segment_rows(loss_of, arrays, differentiated, exponents, scale, dtype)
-    return RangeReport(rows, float(scale), safe, "; ".join(notes), per_segment)
+        per_segment = segment_rows(_only_member(loss_of, names), arrays, differentiated, exponents, scale, dtype)
+    return RangeReport(rows, float(scale), safe, _notes(paths.inlined, paths.whole), per_segment)
+
+
+class _Forward(Evaluator):
+    """``Evaluator`` that also records, for each probed value, whether the
+    floating inputs of the operation that made it were all finite
+    (``reads_finite``, in the order of ``values``)."""
+
+    def __init__(self, probes: Sequence[Any], probed: Sequence[bool]):
+        super().__init__(probes, probed)
+        self.reads_finite: list[jax.Array] = []
+        self._reading: list[list[Any]] = []  # a stack: an entered call's equations run inside its own
+
+    def equation(self, equation, invals, bind):
+        self._reading.append(invals)
+        try:
+            return super().equation(equation, invals, bind)
+        finally:
+            self._reading.pop()
+
+    def probe(self, x, where, primitive, var=None, library=""):
+        before = len(self.values)
+        x = super().probe(x, where, primitive, var, library)
+        if len(self.values) > before:
+            reads = [v for v in (self._reading[-1] if self._reading else []) if is_probed(v)]
+            self.reads_finite.append(_all_finite(jax.lax.stop_gradient(reads)))
+        return x
+
+
+def _only_member(fn: Callable, names: tuple) -> Callable:
+    """``fn`` (returning arrays) run as the only member of each mapped axis
+    in ``names`` (``jax.vmap`` with ``axis_size=1``), so that collectives
+    over them are bound: a ``psum`` or ``pmean`` returns its operand. Its
+    outputs as ``fn``'s (the leading axes of size 1 dropped)."""
+    if not names:
+        return fn
+
+    def run(*args):
+        call = lambda: fn(*args)  # noqa: E731
+        for name in names:
+            call = jax.vmap(call, axis_name=name, axis_size=1)
+        return jax.tree.map(lambda a: a.reshape(a.shape[len(names) :]), call())
+
+    return run
+
+
+def _paths_in(closed: Any, leaves: list, differentiated: list[bool], names: tuple) -> Any:
+    """``on_paths`` with the axes ``names`` bound (``_only_member``)."""
+    found = []
+
+    def discover():
+        found.append(on_paths(closed, leaves, differentiated))
+        return jnp.zeros(())
+
+    _only_member(discover, names)()
+    return found[0]
+
+
+def _unbound_axis_message(error: str, axis_name: AxisName | None) -> str:
+    """What to do when the loss function reduces over an axis the report
+    does not bind."""
+    found = re.search(r"unbound axis name: (\S+?)\.?(\s|$)", error)
+    name = repr(found.group(1)) if found else "<its name>"
+    given = f" (axis_name={axis_name!r} binds others)" if axis_name is not None else ""
+    return (
+        f"the loss function reduces over the named axis {name}{given} (a jax.lax.psum or pmean, or a flax "
+        f"BatchNorm(axis_name=...)), which only jax.vmap, pmap or shard_map bind; call "
+        f"range_report(..., axis_name={name}) to run it as the only member of that axis, on the whole batch "
+        f"(jax's message: {error.strip()})"
+    )
+
+
+# What each call the report evaluates inside, or keeps whole, is in the
+# user's words; a primitive not named here is shown by its name alone.
+_INSIDE = {
+    "pjit": "jax.jit functions, also the jnp and jax.nn functions jax jits itself",
+    "jit": "jax.jit functions, also the jnp and jax.nn functions jax jits itself",
+    "checkpoint": "jax.checkpoint bodies",
+    "remat2": "jax.checkpoint (jax.remat) bodies",
+    "closed_call": "calls",
+    "core_call": "calls",
+}
+_WHOLE = {
+    "custom_jvp_call": "functions with their own derivative rule, jax.custom_jvp, e.g. jax.nn.relu",
+    "custom_vjp_call": "functions with their own backward pass, jax.custom_vjp",
+    "custom_vjp_call_jaxpr": "functions with their own backward pass, jax.custom_vjp",
+    "scan": "lax.scan loops, also lax.map, fori_loop with fixed bounds and flax nn.scan",
+    "while": "lax.while_loop loops",
+    "cond": "lax.cond and lax.switch",
+    "shard_map": "shard_map bodies",
+}
+
+
+def _notes(inlined: set[str], whole: set[str]) -> str:
+    """``RangeReport.notes``: what the report looked into and what it kept
+    whole, and what that means for the table's numbers; one line each."""
+
+    def named(names, words):
+        return ", ".join(f"{n} ({words[n]})" if n in words else n for n in sorted(names))
+
+    notes = []
+    if inlined:
+        notes.append(f"looked into (each operation inside has a row of its own): {named(inlined, _INSIDE)}")
+    if whole:
+        notes.append(f"kept whole (a row per output, none for the operations inside): {named(whole, _WHOLE)}")
+        notes.append(
+            "  their rows hold their outputs' forward max and cotangents; an overflow inside shows only where it "
+            "comes out:\n  in the forward pass as an output that is not finite, in the backward pass as a cotangent "
+            "that is not finite in the rows of the values they read"
+        )
+    return "\n".join(notes)
 
 
 def _max_safe_scale(run, all_finite, stats, dtypes, scale: float) -> float | None:

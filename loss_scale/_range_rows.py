@@ -14,7 +14,10 @@ class RangeRow(NamedTuple):
     Attributes:
       index: position in forward (evaluation) order; arguments first.
       where: the name stack (``jax.named_scope``, jitted function and flax
-        module names where recorded) and the user's file:line.
+        module names where recorded, whole) and the user's file:line: the
+        innermost line of the call stack outside jax, flax, Equinox, optax
+        and this library (for a ``Dense``'s product, the line of your module
+        that calls the layer).
       primitive: the JAX primitive that produced the value (``argument`` for
         a differentiated input; for a ``custom_jvp``/``custom_vjp`` call or
         control flow, that whole call).
@@ -34,6 +37,15 @@ class RangeRow(NamedTuple):
         value's cotangent is in (``"loss"`` for the loss's own; a
         differentiated argument's gradient is brought back to the global
         scale, so its row is in ``"loss"``); ``""`` otherwise.
+      forward_overflows: whether the operation made a value that is not
+        finite (beyond its dtype's largest value, or nan) from inputs that
+        were all finite: the forward pass overflows here, at every loss
+        scale (for an ``argument``: the argument is not finite). A value
+        that is not finite because an input was not is ``forward_max`` inf
+        without this flag.
+      library: the library's ``file:line (function)`` that made the value
+        (``flax/linen/linear.py:287 (Dense.__call__)``) when ``where``
+        shows the user's line that called into it; ``""`` otherwise.
 
     Examples:
       >>> import jax.numpy as jnp, loss_scale as ls
@@ -59,6 +71,8 @@ class RangeRow(NamedTuple):
     overflows: bool
     headroom: float
     segment: str = ""
+    forward_overflows: bool = False
+    library: str = ""
 
 
 class SegmentRow(NamedTuple):
@@ -103,17 +117,23 @@ class SegmentRow(NamedTuple):
 
 
 class RangeReport(NamedTuple):
-    """What ``range_report`` returns; ``str(report)`` is a table, widest
-    offenders (least headroom) first.
+    """What ``range_report`` returns; ``str(report)`` is a table: the
+    operations that overflow in the forward pass first (all of them), then
+    the widest offenders of the backward pass (least headroom) first.
 
     Attributes:
       rows: one ``RangeRow`` per differentiated argument leaf and per
         floating value on a path from them to the loss, in forward order.
       scale: the loss scale of the report's backward pass.
       max_safe_scale: the largest power of two at which no backward value
-        overflows (``None`` when none up to ``2**-64`` is safe, e.g. when the
-        forward pass is not finite).
-      notes: what was evaluated inside and what was kept whole.
+        overflows (``None`` when none down to ``2**-64`` is safe, e.g. when
+        the backward pass is nan at every scale). It describes the backward
+        pass only: a forward overflow (``forward_overflowing``) happens at
+        every scale, so no scale makes such a step right, whatever this
+        says; read ``forward_overflowing`` first.
+      notes: what was evaluated inside (each operation a row) and what was
+        kept whole (one row per output), and what that means for the
+        table's numbers; one line each.
       segments: with ``segments``, one ``SegmentRow`` per segment: the
         backward pass with its boundaries in force (the rows are at the
         one scale ``scale``, so the two side by side show what the
@@ -145,36 +165,139 @@ class RangeReport(NamedTuple):
         rows with the same headroom, the one the backward pass reaches
         first (latest in forward order) first."""
         rows = [r for r in self.rows if r.overflows]
-        return sorted(rows, key=_offender_order)
+        return sorted(rows, key=_backward_order)
+
+    @property
+    def forward_overflowing(self) -> list[RangeRow]:
+        """The rows whose operation overflows in the forward pass
+        (``RangeRow.forward_overflows``: a value that is not finite made
+        from finite inputs), in forward order: the first is where the
+        forward pass first goes wrong. No loss scale fixes these: the
+        values are computed before the loss is scaled. Keep such an
+        operation in float32 (``ls.full_precision``) or bring its inputs
+        into range.
+
+        Examples:
+          >>> import jax.numpy as jnp, loss_scale as ls
+          >>> loss_fn = lambda w, x: jnp.sum((x * w).astype(jnp.float16) ** 2)
+          >>> report = ls.range_report(loss_fn, jnp.ones(4), jnp.full(4, 1000.0))
+          >>> [(r.primitive, r.dtype, r.forward_max) for r in report.forward_overflowing]
+          [('integer_pow', 'float16', inf)]
+          >>> print(str(report).splitlines()[0])
+          forward overflow: 1 operation overflows in the forward pass ...; first: integer_pow at <doctest...
+        """
+        return [r for r in self.rows if r.forward_overflows]
 
     def __str__(self) -> str:
         return format_report(self)
 
 
-def _offender_order(row: RangeRow) -> tuple[float, int]:
+def _backward_order(row: RangeRow) -> tuple[float, int]:
     headroom = row.headroom if not math.isnan(row.headroom) else -1.0
     return (headroom, -row.index)
 
 
-def format_report(report: RangeReport, limit: int = 20) -> str:
-    """The report as a table, least headroom first (at most ``limit`` rows)."""
+def _offender_order(row: RangeRow) -> tuple[int, float, int]:
+    """Forward overflows first, in forward order; then ``_backward_order``."""
+    if row.forward_overflows:
+        return (0, 0.0, row.index)
+    return (1, *_backward_order(row))
+
+
+def _headline(report: RangeReport) -> list[str]:
+    """The report's first lines: what overflows in the forward pass, if
+    anything does (no loss scale fixes it), before the backward pass's
+    count and safe scale."""
     safe = "none" if report.max_safe_scale is None else f"2**{int(math.log2(report.max_safe_scale))}"
-    lines = [
+    summary = (
         f"range report at scale {report.scale:g}: {len(report.rows)} values, "
-        f"{sum(r.overflows for r in report.rows)} overflow; max safe scale {safe}",
-    ]
+        f"{sum(r.overflows for r in report.rows)} overflow; max safe scale {safe}"
+    )
+    first_lines = []
+    causes = report.forward_overflowing
+    inherited = [r for r in report.rows if not math.isfinite(r.forward_max)]
+    if causes:
+        n, first = len(causes), causes[0]
+        first_lines.append(
+            f"forward overflow: {n} operation{'s' if n > 1 else ''} overflow{'' if n > 1 else 's'} in the forward "
+            f"pass (inf or nan from finite inputs), which no loss scale fixes; "
+            f"first: {first.primitive} at {first.where}"
+        )
+    elif inherited:
+        first_lines.append(
+            f"forward pass not finite: {len(inherited)} values are inf or nan because an input of the loss function "
+            f"is (no loss scale fixes it); first: {inherited[0].primitive} at {inherited[0].where}"
+        )
+    if first_lines:
+        summary += " (of the backward pass alone)"
+    return [*first_lines, summary]
+
+
+_WHERE_WIDTH = 60
+
+
+def _wrap(text: str, width: int = _WHERE_WIDTH) -> list[str]:
+    """``text`` in lines of at most ``width`` characters, broken after a
+    ``/`` or ``]`` or at a space (not before a ``(``) where it can be, the
+    lines after the first indented: a module path stays whole, on as many
+    lines as it takes."""
+    pieces, piece = [], ""
+    for i, c in enumerate(text):
+        piece += c
+        if c in "/]" or (c == " " and not text.startswith("(", i + 1)):  # "file:line (function)" stays whole
+            pieces.append(piece)
+            piece = ""
+    pieces.append(piece)
+    lines, line = [], ""
+    for piece in pieces:
+        room = width - (2 if lines else 0)
+        if line and len(line) + len(piece.rstrip()) > room:
+            lines.append(line)
+            line, room = "", width - 2
+        while len(piece.rstrip()) > room:  # one name longer than a line: cut it
+            lines.append(piece[:room])
+            piece, room = piece[room:], width - 2
+        line += piece
+    lines.append(line)
+    lines = [line.rstrip() for line in lines if line.strip()] or [""]
+    return lines[:1] + ["  " + line for line in lines[1:]]
+
+
+def _table(header: tuple[str, ...], body: list[tuple[str, ...]]) -> list[str]:
+    """Columns padded to their widest cell; a cell holding several lines
+    (a wrapped ``where``) continues on the lines below, the other cells
+    blank there."""
+    cells = [[c.split("\n") for c in row] for row in [header, *body]]
+    widths = [max(len(line) for row in cells for line in row[i]) for i in range(len(header))]
+    lines = []
+    for row in cells:
+        for k in range(max(len(c) for c in row)):
+            parts = [(c[k] if k < len(c) else "").ljust(w) for c, w in zip(row, widths, strict=True)]
+            lines.append("  ".join(parts).rstrip())
+    return lines
+
+
+def format_report(report: RangeReport, limit: int = 20) -> str:
+    """The report as a table: every forward overflow first, in forward
+    order, then the backward pass's rows, least headroom first (at most
+    ``limit`` rows in all, forward overflows never left out). A ``where``
+    longer than 60 characters continues on the lines below."""
+    lines = _headline(report)
     if report.notes:
-        lines.append(report.notes)
+        lines.extend(report.notes.splitlines())
     labelled = report.segments is not None
     header = ("where", "op", "shape", "dtype", "fwd max", "bwd max", "bwd 0", "bwd <normal", "headroom", "")
     if labelled:
         header = ("segment", *header)
+    ordered = sorted(report.rows, key=_offender_order)
+    shown = max(limit, len(report.forward_overflowing))
     body = []
-    for r in sorted(report.rows, key=_offender_order)[:limit]:
+    for r in ordered[:shown]:
+        flags = ["FORWARD OVERFLOW"] * r.forward_overflows + ["OVERFLOW"] * r.overflows
         body.append(
             ((r.segment,) if labelled else ())
             + (
-                r.where if len(r.where) <= 60 else r.where[:57] + "...",
+                "\n".join(_wrap(r.where)),
                 r.primitive,
                 "x".join(map(str, r.shape)) or "()",
                 r.dtype,
@@ -183,14 +306,12 @@ def format_report(report: RangeReport, limit: int = 20) -> str:
                 f"{r.backward_zero:.0%}",
                 f"{r.backward_below_normal:.0%}",
                 "nan" if math.isnan(r.headroom) else f"{r.headroom:.3g}",
-                "OVERFLOW" if r.overflows else "",
+                ", ".join(flags),
             )
         )
-    widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
-    for row in [header, *body]:
-        lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
-    if len(report.rows) > limit:
-        lines.append(f"... {len(report.rows) - limit} more rows in report.rows")
+    lines.extend(_table(header, body))
+    if len(report.rows) > shown:
+        lines.append(f"... {len(report.rows) - shown} more rows in report.rows")
     if report.segments is not None:
         lines.append("")
         lines.append("with the boundaries in force (report.segments):")
@@ -207,7 +328,5 @@ def format_report(report: RangeReport, limit: int = 20) -> str:
             )
             for r in report.segments
         ]
-        widths = [max(len(str(row[i])) for row in [header, *body]) for i in range(len(header))]
-        for row in [header, *body]:
-            lines.append("  ".join(str(c).ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
+        lines.extend(_table(header, body))
     return "\n".join(lines)
