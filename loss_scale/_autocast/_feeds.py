@@ -31,11 +31,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from loss_scale._autocast._lists import FLOAT32, FOLLOW
+from loss_scale._autocast._lists import BOUNDED, FLOAT32, FOLLOW
 from loss_scale._jaxpr import bodies, is_dropped, is_literal, walk
 
-# Operations a value passes through on its way to a float32 operation.
-_THROUGH = FOLLOW | {"convert_element_type"}
+# Operations a value passes through on its way to a float32 operation (a
+# bounded function ends the way: its input cannot take its output, or a
+# statistic of it, out of range).
+_THROUGH = (FOLLOW - BOUNDED) | {"convert_element_type"}
 
 
 def _jaxprs(top: Any) -> list[Any]:
@@ -85,7 +87,7 @@ def feeds_float32(jaxpr: Any) -> frozenset:
                 elif name in _THROUGH:
                     if any(v in reach for v in eqn.outvars):
                         changed |= mark(eqn.invars)
-                else:
+                elif name not in BOUNDED:
                     changed |= _across(eqn, reach, mark)
     return frozenset(reach)
 

@@ -159,6 +159,17 @@ FOLLOW = frozenset(
     }
 )
 
+# ``FOLLOW`` operations whose result stays within a fixed range whatever
+# their input (``|tanh(x)| <= 1``): what they read cannot take a statistic
+# of their result out of the half range, so the float32 that a statistic
+# asks for (``_feeds``) does not reach past them.
+BOUNDED = frozenset({"tanh", "logistic", "erf", "erfc", "sin", "cos", "atan", "atan2", "sign", "is_finite"})
+
+# ``FOLLOW`` operations whose result can be larger than their inputs: a
+# product or a quotient (a square, a variance's terms, an MSE's squared
+# errors, an inverse).
+GROWING = frozenset({"mul", "div", "square", "integer_pow"})
+
 # The label of a float32 value computed in float32 by the ``FLOAT32`` list
 # (or inside ``full_precision``): a ``FOLLOW`` operation that reads one
 # runs in float32.

@@ -25,7 +25,15 @@ import numpy as np
 from jax import lax
 
 from loss_scale._autocast._feeds import feeds_float32
-from loss_scale._autocast._lists import BEYOND_HALF, FLOAT32, FLOAT32_RESULT, FOLLOW, FULL_PRECISION_SCOPE, HALF
+from loss_scale._autocast._lists import (
+    BEYOND_HALF,
+    FLOAT32,
+    FLOAT32_RESULT,
+    FOLLOW,
+    FULL_PRECISION_SCOPE,
+    GROWING,
+    HALF,
+)
 from loss_scale._jaxpr import (
     NO_LABELS,
     Equation,
@@ -36,6 +44,7 @@ from loss_scale._jaxpr import (
     Mode,
     bind,
     equations,
+    is_literal,
     structure_of,
 )
 from loss_scale._jaxpr._compat import at_source, trace_state
@@ -44,9 +53,6 @@ from loss_scale._jaxpr._structured import scope_part
 _F32 = np.dtype(np.float32)
 _PINNED: Labels = frozenset({FLOAT32_RESULT})
 _BEYOND: Labels = frozenset({BEYOND_HALF})
-# Operations a value passes through unchanged in kind (a ``FOLLOW``
-# operation or a conversion).
-_THROUGH = FOLLOW | {"convert_element_type"}
 
 # Bodies whose inputs and outputs keep their declared dtypes: a loop's
 # carries and a branch's outputs must have one type whatever the
@@ -82,6 +88,30 @@ def _convert_to(x: Any, dtype: np.dtype) -> Any:
     if current is None or current == dtype:
         return x
     return lax.convert_element_type(x, dtype)
+
+
+def _literal_magnitude(var: Any) -> float | None:
+    if not is_literal(var) or np.size(var.val) != 1:
+        return None
+    return float(np.abs(np.asarray(var.val, dtype=np.float64)))
+
+
+def grows(eqn: Any) -> bool:
+    """Whether ``eqn``, a ``FOLLOW`` operation, can compute a value larger
+    than its inputs: a product or quotient (``GROWING``), except a product
+    by a literal of magnitude at most 1 and a quotient by one of at least 1
+    (``x * 0.5``, ``x / n``), and ``integer_pow`` by 1."""
+    name = eqn.primitive.name
+    if name not in GROWING:
+        return False
+    if name == "integer_pow":
+        return eqn.params["y"] != 1
+    if name == "mul":
+        return not any((m := _literal_magnitude(v)) is not None and m <= 1 for v in eqn.invars)
+    if name == "div":
+        m = _literal_magnitude(eqn.invars[1])
+        return m is None or m < 1
+    return True
 
 
 def _as_array(var: Any, x: Any) -> Any:
@@ -184,7 +214,7 @@ class Autocast(Hooks):
             floating = floating | _BEYOND | (_PINNED if name in HALF else NO_LABELS)
         elif name in HALF:
             return [NO_LABELS] * len(eqn.outvars)
-        if name in _THROUGH and self._feeds(eqn):
+        if name in FOLLOW and self._feeds(eqn) and grows(eqn):
             floating = floating | _PINNED
         return [floating] * len(eqn.outvars)
 
@@ -243,9 +273,8 @@ class Autocast(Hooks):
         (var,), (x,) = eqn.invars, invals
         if _dtype(x) != var.aval.dtype and _float32(eqn.params["new_dtype"]):
             # A float32 value converted to float32 (a weak type made strong):
-            # it stays in the dtype it has, unless a float32 operation reads
-            # it.
-            return [_convert_to(x, _F32)] if self._feeds(eqn) else [x]
+            # it stays in the dtype it has.
+            return [x]
         return bind(eqn, [x])
 
     def _follow(self, equation: Equation, invals: list[Any]) -> list[Any]:
@@ -255,7 +284,17 @@ class Autocast(Hooks):
             return bind(eqn, invals)
         labelled = zip(eqn.invars, equation.labels, strict=True)
         pinned = any(_declared_f32(v) and FLOAT32_RESULT in tag for v, tag in labelled)
-        in_float32 = pinned or self._feeds(eqn) or self._wide(eqn, equation.labels)
+        in_float32 = pinned or self._wide(eqn, equation.labels)
+        if not in_float32 and self._feeds(eqn):
+            # What a statistic, a softmax or a loss reads: in float32 where
+            # half precision could take it out of range or lose its input's
+            # range (a product, or a float32 argument, parameter or result
+            # read with a half value: a mask added to logits, a target).
+            reads_float32 = any(
+                _declared_f32(v) and not is_literal(v) and _dtype(x) == _F32
+                for v, x in zip(eqn.invars, invals, strict=True)
+            )
+            in_float32 = grows(eqn) or reads_float32
         return bind(eqn, self.cast_inputs(eqn, invals, _F32 if in_float32 else self.dtype))
 
 
