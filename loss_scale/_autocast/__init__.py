@@ -13,11 +13,18 @@ sums, products, cumulative sums,       softmax, logsumexp, cross-entropy,
 (``FLOAT32``)
 arithmetic, comparisons, selections,   their inputs' dtype: half if one
 reshapes, slices, elementwise max      is half, unless another is a
-(``FOLLOW``)                           float32 result of the row above
+(``FOLLOW``)                           float32 result of the row above;
+                                       float32 where a ``FLOAT32``
+                                       operation reads the result and it
+                                       could leave the half range (a
+                                       square a variance sums, an
+                                       argument a softmax reads)
 anything else (random bits, sort,      as declared (inputs cast back)
 scatter, callbacks, Pallas and custom
 calls)
 calls inside ``full_precision``        as declared, outputs float32
+an operation reading a constant        float32 (a product too)
+beyond the half range
 =====================================  ===================================
 
 The lists and the reasons for them are in ``loss_scale/_autocast/_lists.py``
@@ -95,19 +102,31 @@ def autocast(fun: F, dtype: Any = jax.numpy.float16) -> F:
     ``dtype`` (the operands cast where they are read, so float32
     parameters keep float32 gradients); exponentials, logarithms, powers,
     sums and products compute in float32, so softmax, cross-entropy and
-    normalisation statistics stay in float32; other operations follow
-    their inputs (see the table in ``loss_scale._autocast`` and the guide).
-    Jitted inner functions, ``jax.checkpoint`` (its policy kept),
-    ``lax.scan``, ``lax.cond``/``switch``, ``lax.while_loop`` bodies and
-    ``custom_jvp``/``custom_vjp`` functions (their rules kept) are
-    rewritten inside. ``fun``'s outputs keep the dtypes they have without
+    normalisation statistics stay in float32, and so does what they read
+    where half precision could take it out of range (the square a variance
+    sums, the errors an MSE squares, a mask added to logits); other
+    operations follow their inputs (see the table in ``loss_scale._autocast``
+    and the guide). A constant beyond the half range (a literal, an array
+    ``fun`` closes over) keeps the operations that read it in float32;
+    arguments are never looked at, so the same call gives the same program
+    eagerly and under ``jit``. Jitted inner functions, ``jax.checkpoint``
+    (its policy kept), ``lax.scan``, ``lax.cond``/``switch``,
+    ``lax.while_loop`` bodies and ``custom_jvp``/``custom_vjp`` functions
+    (their rules kept) are rewritten inside, effects (prints, callbacks)
+    included. ``fun``'s outputs keep the dtypes they have without
     autocast; ``dtype=jnp.float32``, or a function without a product or
-    convolution, gives ``fun``'s results bit for bit.
+    convolution, is ``fun`` itself (its results bit for bit).
+
+    flax NNX modules among the arguments (or ``fun`` itself, or the module
+    whose method ``fun`` is) are traced through their state, as
+    ``nnx.jit`` does, and what ``fun`` writes into them (BatchNorm's
+    running statistics, Dropout's RNG counter) is written back.
 
     Args:
-      fun: a function of pytrees. Its floating arrays are traced; other
-        leaves (Python numbers, flags, an Equinox module's activation
-        functions) pass through unchanged.
+      fun: a function of pytrees (or an NNX module, or a module's method).
+        Its floating arrays are traced; other leaves (Python numbers,
+        flags, an Equinox module's activation functions) pass through
+        unchanged.
       dtype: ``jnp.float16`` (default), ``jnp.bfloat16``, or
         ``jnp.float32`` (``fun`` itself).
 

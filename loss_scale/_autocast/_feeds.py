@@ -11,13 +11,18 @@ half-precision layers and torch's autocast compute those in float32
 (flax casts a norm's input up before its statistics, torch runs ``pow``,
 the norms and ``mse_loss`` in float32). A trace of a float32 model
 cannot show where such an upcast was written (in float32 it is a no-op),
-so the rule is decided from the program instead: a ``FOLLOW`` operation
-whose result is read by a ``FLOAT32`` operation, directly or through other
-``FOLLOW`` operations, runs in float32. The walk stops at products and
-convolutions (``HALF``), at other ``FLOAT32`` operations and at operations
-that run as declared, so it reaches back from a statistic to the last
-product, and no further: the activations between two products stay in
-half precision unless a statistic reads them.
+so it is decided from the program instead: this module finds the values
+a ``FLOAT32`` operation reads, directly or through ``FOLLOW`` operations,
+and ``_rewrite`` runs in float32 those of their ``FOLLOW`` operations that
+could take them out of the half range (a product or quotient that can
+grow, or one that reads a float32 value together with a half one).
+
+The walk back from a ``FLOAT32`` operation stops at products and
+convolutions (``HALF``), at other ``FLOAT32`` operations, at operations
+that run as declared and at bounded functions (``BOUNDED``: ``tanh(x)``
+is at most 1 whatever ``x``), so it reaches from a statistic to the last
+product and no further: the activations between two products stay in
+half precision.
 
 The analysis reads the program without evaluating it (``walk``,
 ``bodies``) and follows values into and out of every body (jitted calls,

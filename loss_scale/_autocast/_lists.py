@@ -40,6 +40,21 @@ label ``FLOAT32_RESULT``) keeps the operation in float32, JAX's own
 promotion; any other float32 value (a parameter, an input, a constant) is
 cast to half precision where it is used, as TensorFlow's rewrite casts a
 variable read by a half-precision operation.
+
+Two exceptions keep values inside the range they need. What a
+``FLOAT32`` operation reads (``_feeds``) is computed in float32 where
+half precision could take it out of range: a ``GROWING`` operation (the
+square a variance sums, an MSE's squared errors) and one that reads a
+float32 value with a half one (a mask or a target added to half values
+before a softmax or a loss), back to the last product and not past a
+``BOUNDED`` function. This is what flax's half-precision norms do by
+casting their input up before their statistics, and torch's autocast by
+running ``pow``, the norms and ``mse_loss`` in float32; a trace of a
+float32 model holds no such cast (it is a no-op there), so the rewrite
+reads it off the program. And a constant beyond the half range
+(``BEYOND_HALF``: float32's minimum or ``-1e9`` as a mask's fill, a
+closed-over array of ``1e5``) keeps every operation that reads it, or
+what was computed from it, in float32, products included.
 """
 
 from __future__ import annotations
