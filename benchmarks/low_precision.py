@@ -308,15 +308,19 @@ def nbytes(tree: Any) -> int:
     return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree) if hasattr(x, "dtype"))
 
 
-def memory(workload: Workload, quick: bool = False) -> dict[str, Any]:
-    n = models.n_params(workload.params)
+def memory(name: str, size: str, quick: bool = False) -> dict[str, Any]:
+    """Bytes per parameter and the compiled step's memory, on the harness's
+    own model of ``size`` and its batch (what the step allocates does not
+    depend on the data); compiled, not run."""
+    built = {p: models.build(name, p, size) for p in ("f32", "mixed")}
+    n = models.n_params(built["f32"].params)
     rows = {}
     for label, setup, state_dtype in MEMORY_SETUPS:
+        model = built[setup.precision]
         tx = make_tx(setup, 1e-3, state_dtype)
-        params = fresh_params(workload.params, setup.param_dtype)
+        params = fresh_params(model.params, setup.param_dtype)
         opt_state = tx.init(params)
-        step = make_step(workload.loss_fns[setup.precision], tx, setup.scaled)
-        compiled = compile_step(step, (params, opt_state, workload.batches(0)), quick)
+        compiled = compile_step(make_step(model.loss_fn, tx, setup.scaled), (params, opt_state, model.batch), quick)
         # float32 master weights are optimizer state: the params the model runs with are float16 copies.
         master = setup.param_dtype == F32 and setup.precision == "mixed"
         run_bytes = 2 * n if master else nbytes(params)
@@ -325,10 +329,10 @@ def memory(workload: Workload, quick: bool = False) -> dict[str, Any]:
             "state_bytes": (nbytes(opt_state) + (nbytes(params) if master else 0)) / n,
             "memory": timing.memory_mib(compiled),
         }
-    return {"n_params": n, "rows": rows}
+    return {"n_params": n, "description": built["f32"].description, "rows": rows}
 
 
-def memory_table(name: str, measured: dict[str, Any], description: str) -> str:
+def memory_table(name: str, measured: dict[str, Any]) -> str:
     base = measured["rows"][BASELINE]
     rows = []
     for label, row in measured["rows"].items():
@@ -351,7 +355,7 @@ def memory_table(name: str, measured: dict[str, Any], description: str) -> str:
         "step arguments MiB (Δ master)",
     ]
     return (
-        f"{name}: {description}, {models.fmt_count(measured['n_params'])} params. For float32 master weights "
+        f"{name}: {measured['description']} (the harness's model and batch). For float32 master weights "
         "the params the model runs with are the float16 copies made in the loss (2 bytes, not kept between "
         "steps) and the master weights count as optimizer state\n\n" + tables.markdown(headers, rows)
     )
@@ -410,6 +414,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--setups", default=",".join(SETUPS), help="comma-separated accuracy setups")
     parser.add_argument("--steps", type=int, default=None, help="training steps (default: 600 LM, 1500 MLP)")
     parser.add_argument("--lr", type=float, default=None, help="peak learning rate (default: 1e-3 LM, 3e-4 MLP)")
+    parser.add_argument(
+        "--memory-size", default="default", choices=models.SIZES, help="the harness model size the memory part compiles"
+    )
     parser.add_argument("--rounds", type=int, default=30, help="timed rounds of the cost part")
     parser.add_argument("--warmup", type=int, default=3, help="untimed rounds first")
     parser.add_argument("--quick", action="store_true", help="tiny models and few steps: a smoke test")
@@ -450,9 +457,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             report.print()
             report.print(accuracy_table(name, out["accuracy"], workload.description, steps, lr))
         if "memory" in parts:
-            out["memory"] = memory(workload, args.quick)
+            out["memory"] = memory(name, "quick" if args.quick else args.memory_size, args.quick)
             report.print()
-            report.print(memory_table(name, out["memory"], workload.description))
+            report.print(memory_table(name, out["memory"]))
         if "cost" in parts:
             out["cost"] = cost(workload, args.rounds, args.warmup)
             report.print()

@@ -75,6 +75,27 @@ def test_a_skipped_step_keeps_params_compensation_key_and_inner_state(rounding, 
     assert not np.array_equal(np.asarray(after_params["w"], np.float32), np.asarray(params["w"], np.float32))
 
 
+@pytest.mark.parametrize("rounding", ["kahan", "stochastic", "nearest"])
+def test_loss_scaling_skips_without_a_branch_and_without_a_nan(rounding):
+    # Every operation of the rounding is finite on finite operands, so
+    # ls.dynamic's select path keeps the update (no lax.cond, which would
+    # make XLA materialize every operand), and a skipped step, which runs it
+    # on zeroed gradients, computes nothing non-finite (jax_debug_nans).
+    tx = make_tx(rounding)
+    params = make_params(F16)
+    state = tx.init(params)
+    jaxpr = jax.make_jaxpr(lambda p, s, g: ls.apply_gradients(tx, g, s, p))(params, state, params)
+    names = {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
+    assert "cond" not in names and "custom_jvp_call" in names
+    step = jax.jit(lambda p, s, g: ls.apply_gradients(tx, g, s, p))
+    overflow = jax.tree.map(lambda g: g.at[0].set(jnp.inf), grads_for(0, params, scale=16.0))
+    with jax.debug_nans(True):
+        new_params, new_state = step(params, state, overflow)
+        jax.block_until_ready(new_params)
+    assert bool(new_state.skipped)
+    assert_trees_bitwise((new_params, new_state.inner_state), (params, state.inner_state))
+
+
 def test_fused_and_two_step_updates_agree():
     tx = make_tx("stochastic")
     params = make_params()

@@ -1,9 +1,10 @@
 """Rounding a float32 value to a narrower float: to nearest, stochastically,
 and with Kahan compensation, plus the random bits stochastic rounding reads.
 
-Everything here is elementwise and branch-free (no ``cond``, no division),
-so that it fuses into the optimizer's own elementwise pass and runs as it is
-under ``ls.dynamic``'s select path.
+Everything here is elementwise and branch-free, written with operations
+that are finite on finite operands (no bit casts of values computed from the
+gradients), so that it fuses into the optimizer's own elementwise pass and
+``ls.dynamic``'s select path keeps it.
 
 Exactness of the updates. A new parameter ``q`` is always one of the two
 values of the parameter's dtype next to ``x = float32(p) + y`` (``y`` a
@@ -11,7 +12,8 @@ float32 update), where ``x`` is itself computed in float32. For such a
 ``q``, ``q - p`` is a float32 value (no rounding), so ``u = float32(q) -
 float32(p)`` gives ``float32(p) + u == q`` exactly: ``optax.apply_updates``
 (which adds in float32 and casts to the parameter's dtype) reproduces ``q``
-bit for bit. The tests check it over millions of random values, magnitudes
+bit for bit. The tests check it on hundreds of thousands of random values,
+magnitudes
 from float16's subnormals to bfloat16's 2**60 and near-total cancellations.
 """
 
@@ -24,8 +26,6 @@ import numpy as np
 # The parameter dtypes that get a rounded update (and a compensation buffer
 # under "kahan"); wider floats are updated as the inner optimizer says.
 HALF_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-_UNSIGNED = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32}
 
 
 def is_half(x: object) -> bool:
@@ -61,22 +61,11 @@ def random_bits(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return _mix(_mix(index ^ seed[0]) + seed[1])
 
 
-def _uniform(bits: jax.Array) -> jax.Array:
-    """float32 in [0, 1), multiples of 2**-24, from uint32 bits."""
-    return (bits >> 8).astype(jnp.float32) * np.float32(2.0**-24)
-
-
-def _toward(a: jax.Array, x: jax.Array) -> jax.Array:
-    """The value of ``a``'s dtype next to ``a`` on the side of ``x``, for
-    ``a`` the nearest value to ``x``: one step of the bit pattern away from
-    zero where ``|x| > |a|``, toward zero where ``|x| < |a|`` (so ``a`` is
-    not 0 there). A zero ``a`` keeps ``x``'s sign, so its step away is the
-    smallest subnormal on ``x``'s side."""
-    unsigned = _UNSIGNED[a.dtype.itemsize]
-    bits = jax.lax.bitcast_convert_type(a, unsigned)
-    away = jnp.abs(x) > jnp.abs(a.astype(jnp.float32))
-    one = jnp.asarray(1, unsigned)
-    return jax.lax.bitcast_convert_type(jnp.where(away, bits + one, bits - one), a.dtype)
+# Per rounded dtype: its explicit mantissa bits, and its smallest gap
+# between neighbours (float16's subnormals are multiples of 2**-24;
+# bfloat16's, below float32's smallest normal, are flushed to zero by
+# float32 arithmetic on most hardware anyway, so its grid stops at 2**-126).
+_FORMATS = {jnp.dtype(jnp.bfloat16): (7, 2.0**-126), jnp.dtype(jnp.float16): (10, 2.0**-24)}
 
 
 def round_nearest(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -85,28 +74,51 @@ def round_nearest(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return x.astype(dtype)
 
 
-def round_stochastic(x: jax.Array, dtype: jnp.dtype, bits: jax.Array) -> jax.Array:
-    """``x`` (float32) rounded to one of its two neighbours in ``dtype``,
-    the farther one with probability ``distance to the nearer / gap``: the
-    expected result is ``x`` itself.
+def _power_of_two_below(magnitude: jax.Array) -> jax.Array:
+    """The largest power of two <= ``magnitude`` (float32, >= 0, finite),
+    0 for 0: rounded to one significant bit it is that power or the next
+    one, halved where it went up. Computed on half the magnitude, whose
+    rounding up cannot overflow, and doubled (exact)."""
+    half = magnitude * np.float32(0.5)
+    power = jax.lax.reduce_precision(half, exponent_bits=8, mantissa_bits=0)
+    return jnp.where(power > half, power * np.float32(0.5), power) * np.float32(2.0)
 
-    The rounding error ``x - nearest`` and the gap between the neighbours (a
-    power of two) are exact in float32, and the comparison ``uniform * gap <
-    |error|`` needs no division; a uniform in multiples of 2**-24 makes the
-    probability exact wherever the error has at most 24 significant bits
-    relative to the gap (always from float32 to bfloat16 or float16 normals).
-    A value that rounds to an infinity (beyond the dtype's range) or a NaN
-    stays what rounding to nearest gives. ``dtype`` float32 or wider: a cast.
+
+def round_stochastic(x: jax.Array, dtype: jnp.dtype, bits: jax.Array) -> jax.Array:
+    """``x`` (float32) rounded to one of its two neighbours in ``dtype``
+    (bfloat16 or float16), the upper one (in magnitude) with probability
+    ``distance to the lower / gap``: the expected result is ``x`` itself.
+
+    ``|x| / gap`` (``gap`` between the neighbours, a power of two: the
+    division is exact) has at most ``23 - mantissa`` fractional bits; adding
+    a uniform of exactly that many bits and taking the floor rounds up with
+    exactly that probability, with no float32 rounding anywhere (below
+    float16's normals, where ``|x| / gap`` can have more fractional bits,
+    within 2**-13 of it). Float arithmetic only, no bit casts: every
+    operation is finite on finite operands (or a division by the gap, a
+    nonzero power of two), so ``ls.dynamic``'s select path keeps it, and XLA
+    fuses the computation of ``x`` into it instead of keeping ``x`` in a
+    float32 buffer.
+
+    Values beyond the dtype's range become infinities, as in rounding to
+    nearest (within one gap below it, with the probability of rounding up);
+    infinities and NaNs stay what they are. A float32 or wider ``dtype`` is
+    a cast.
     """
     dtype = jnp.dtype(dtype)
     if dtype.itemsize >= 4:
         return x.astype(dtype)
-    nearest = x.astype(dtype)
-    error = jnp.abs(x - nearest.astype(jnp.float32))
-    other = _toward(nearest, x)
-    gap = jnp.abs(other.astype(jnp.float32) - nearest.astype(jnp.float32))
-    farther = (_uniform(bits) * gap < error) & jnp.isfinite(nearest)
-    return jnp.where(farther, other, nearest)
+    mantissa, smallest_gap = _FORMATS[dtype]
+    magnitude = jnp.abs(x)
+    finite = jnp.isfinite(x)
+    safe = jnp.where(finite, magnitude, np.float32(0.0))
+    gap = jnp.maximum(_power_of_two_below(safe) * np.float32(2.0**-mantissa), np.float32(smallest_gap))
+    fraction_bits = 23 - mantissa
+    uniform = (bits >> (32 - fraction_bits)).astype(jnp.float32) * np.float32(2.0**-fraction_bits)
+    rounded = jnp.floor(safe / gap + uniform) * gap
+    # Zeros (of either sign), infinities and NaNs are their own rounding.
+    rounded = jnp.where(finite & (x != 0), jnp.where(x < 0, -rounded, rounded), x)
+    return rounded.astype(dtype)
 
 
 def update_nearest(p: jax.Array, delta: jax.Array) -> jax.Array:
