@@ -96,6 +96,19 @@ def test_loss_scaling_skips_without_a_branch_and_without_a_nan(rounding):
     assert_trees_bitwise((new_params, new_state.inner_state), (params, state.inner_state))
 
 
+def test_extra_arguments_reach_the_inner_optimizer():
+    # value= (the loss) passes through ls.dynamic and low_precision to optax's reduce_on_plateau.
+    inner = optax.chain(optax.adam(1e-2), optax.contrib.reduce_on_plateau(patience=1, factor=0.5))
+    tx = ls.dynamic(ls.low_precision(inner, "kahan"), initial_scale=16.0)
+    params = make_params()
+    state = tx.init(params)
+    for i in range(4):
+        updates, state = tx.update(grads_for(i, params, scale=16.0), state, params, value=jnp.float32(1.0))
+        params = optax.apply_updates(params, updates)
+    plateau = optax.tree_utils.tree_get(state.inner_state, "scale")
+    assert float(plateau) < 1.0  # the plateau was seen: the loss arrived
+
+
 def test_fused_and_two_step_updates_agree():
     tx = make_tx("stochastic")
     params = make_params()
@@ -238,6 +251,29 @@ def test_replicas_on_four_devices_stay_identical(mesh, rounding):
             np.testing.assert_array_equal(leaf[d].view(np.uint8), leaf[0].view(np.uint8))
     start = regression_loss({"w": jnp.zeros((16, 4), BF16)}, *regression_batch(99, 64))
     assert float(regression_loss(jax.tree.map(lambda a: a[0], params), *regression_batch(99, 64))) < 0.5 * start
+
+
+def test_pmap_replicas_stay_identical(mesh):
+    del mesh
+    tx = ls.dynamic(ls.low_precision(optax.adam(1e-2), "stochastic", state_dtype=jnp.bfloat16), axis_name="batch")
+
+    def step(params, state, x, y):
+        _, grads = ls.value_and_grad(regression_loss, axis_name="batch")(state, params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    pstep = jax.pmap(step, axis_name="batch", devices=jax.devices()[:N])
+    params = {"w": jnp.zeros((16, 4), BF16)}
+    replicate = lambda tree: jax.tree.map(lambda a: jnp.broadcast_to(a, (N, *a.shape)), tree)  # noqa: E731
+    params, state = replicate(params), replicate(tx.init(params))
+    for i in range(10):
+        x, y = regression_batch(i, N * 8)
+        params, state = pstep(params, state, x.reshape(N, 8, 16), y.reshape(N, 8, 4))
+    for leaf in jax.tree.leaves((params, state)):
+        leaf = np.asarray(leaf).reshape(N, -1)
+        for d in range(1, N):
+            np.testing.assert_array_equal(leaf[d].view(np.uint8), leaf[0].view(np.uint8))
+    assert np.any(np.asarray(params["w"], np.float32) != 0)
 
 
 def test_a_sharded_run_equals_a_single_device_run(mesh):
