@@ -120,6 +120,18 @@ def make_step(loss_fn: Callable, tx: optax.GradientTransformation, scaled: bool)
     return step
 
 
+def make_update(tx: optax.GradientTransformation, scaled: bool) -> Callable:
+    """``update(params, opt_state, grads) -> (params, opt_state)``: the optimizer step alone."""
+
+    def update(params, opt_state, grads):
+        if scaled:
+            return ls.apply_gradients(tx, grads, opt_state, params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return update
+
+
 # ---------------------------------------------------------------------------
 # Workloads: a harness model and real data
 # ---------------------------------------------------------------------------
@@ -321,6 +333,9 @@ def memory(name: str, size: str, quick: bool = False) -> dict[str, Any]:
         params = fresh_params(model.params, setup.param_dtype)
         opt_state = tx.init(params)
         compiled = compile_step(make_step(model.loss_fn, tx, setup.scaled), (params, opt_state, model.batch), quick)
+        # The optimizer alone, on gradients of the params' dtype: its own temporaries.
+        grads = jax.tree.map(jnp.zeros_like, params)
+        update_only = compile_step(make_update(tx, setup.scaled), (params, opt_state, grads), quick)
         # float32 master weights are optimizer state: the params the model runs with are float16 copies.
         master = setup.param_dtype == F32 and setup.precision == "mixed"
         run_bytes = 2 * n if master else nbytes(params)
@@ -328,6 +343,7 @@ def memory(name: str, size: str, quick: bool = False) -> dict[str, Any]:
             "param_bytes": run_bytes / n,
             "state_bytes": (nbytes(opt_state) + (nbytes(params) if master else 0)) / n,
             "memory": timing.memory_mib(compiled),
+            "update_memory": timing.memory_mib(update_only),
         }
     return {"n_params": n, "description": built["f32"].description, "rows": rows}
 
@@ -344,6 +360,7 @@ def memory_table(name: str, measured: dict[str, Any]) -> str:
                 f"{row['param_bytes'] + row['state_bytes']:.2f}",
                 tables.mib(row["memory"], base["memory"], "temp_mib"),
                 tables.mib(row["memory"], base["memory"], "argument_mib"),
+                tables.mib(row["update_memory"], base["update_memory"], "temp_mib"),
             ]
         )
     headers = [
@@ -353,6 +370,7 @@ def memory_table(name: str, measured: dict[str, Any]) -> str:
         "total bytes/param",
         "step temp MiB (Δ master)",
         "step arguments MiB (Δ master)",
+        "update-only temp MiB (Δ master)",
     ]
     return (
         f"{name}: {measured['description']} (the harness's model and batch). For float32 master weights "
