@@ -9,7 +9,8 @@ derivatives and in what it computes:
 * **a concrete decision** (an eager step): the taken or the skipped branch
   alone, chosen in Python; nothing else runs.
 * **the select path** (traced, where the inner update has no effects and
-  no ``while_loop``/``cond``/``scan``). A ``lax.cond`` makes XLA
+  no ``while_loop``/``cond``/``scan``, and every operation that reads a
+  gradient is one the path knows). A ``lax.cond`` makes XLA
   materialize every operand of the conditional: the gradients, in float32,
   before the update reads them (in a float16 backward pass, the float32 copy
   of every weight gradient that a bare step never writes). Without the
@@ -24,22 +25,35 @@ derivatives and in what it computes:
   On a skipped step that discarded computation reads zeros for the
   gradients and old values where new ones would be (Adam's bias correction
   reads the old count, 0 before the first applied step; adafactor's
-  normalisation its zero moments), which an optimizer's formulas never see.
-  So every operation that is not finite on every finite input (a division,
-  ``sqrt``, ``rsqrt``, ``log``, ``pow``, ...: ``GUARDED``) and reads such a
-  value reads, where the step is skipped, a value on which it is finite
-  (``select(go, x, 1)``, fused into the same loop): a skipped step computes
-  nothing non-finite that its inputs do not force, and ``jax_debug_nans``
-  sees nothing. Nested calls (``jit``, ``custom_jvp``/``custom_vjp``
-  functions, ``checkpoint``) are entered for this, and the values of a taken
-  step are untouched (the guard selects ``x`` itself there).
+  normalisation its zero moments; a preconditioner a zero matrix), which an
+  optimizer's formulas never see. So every operation that reads such a
+  value is either known to be finite, with finite derivatives, on every
+  finite operand (``FINITE``: sums, products, maxima, ``exp``, ``tanh``,
+  reshapes, sorts, cumulative sums, ...), or is one that is not but reads,
+  where the step is skipped, a value on which it is (a division, ``sqrt``,
+  ``rsqrt``, ``log``, ``pow``, ...: ``GUARDED``, which reads
+  ``select(go, x, 1)``, fused into the same loop), or is a call entered to
+  do the same inside it (``jit``, ``checkpoint``). Any other operation
+  (a linear solve, a factorisation, an eigendecomposition, a host callback,
+  a function with a custom derivative rule, a primitive not listed) sends
+  the step to the ``lax.cond``: a skipped step computes nothing non-finite
+  that its inputs do not force, and ``jax_debug_nans`` sees nothing. The
+  values of a taken step are untouched (the guard selects ``x`` itself
+  there).
 
   Its derivatives are the reference's: the select path is a
-  ``jax.custom_jvp`` function whose JVP rule is the JVP of the ``lax.cond``
-  (``jax.grad``, ``jax.jvp``, ``jax.vjp`` through an update differentiate
-  the reference, whose skipped branch has derivative 0 with respect to the
-  gradients, the learning rate and the params, and 1 with respect to the
-  kept state).
+  ``jax.custom_jvp`` function, differentiated through its guarded
+  evaluation in a form without a branch (so that it stays differentiable
+  under ``vmap``, where JAX cannot transpose a ``lax.cond`` that carries
+  tangents: jax-ml/jax#22011). Only the perturbed inputs carry tangents,
+  and the consumers of a selected state value read its new value's
+  tangent (that of the bare update, a symbolic zero included), so a taken
+  step differentiates exactly as the bare optimizer; the outputs are
+  selected once more, so a skipped step has derivative 0 with respect to
+  the gradients, the learning rate and the params, and 1 with respect to
+  the kept state. Its cotangents reach the discarded computation only
+  through a ``select`` (as zeros), and every partial derivative there is
+  finite, by the rule above.
 
 Where the inner update has effects (callbacks, prints) or control flow
 (``while_loop``, ``cond``, ``scan``: a line search, ``optax.MultiSteps``),
@@ -67,26 +81,61 @@ from loss_scale._unscale import is_float_leaf
 # of a few elementwise passes.
 _CONTROL_FLOW = frozenset({"while", "cond", "scan"})
 
-# Operations that can give a non-finite result on finite operands, with the
-# operands that decide it and a value on which they are finite: a division
-# by zero, the square root or logarithm of a negative number or of zero, a
-# power of zero with a negative exponent.
+# Operations that can give a non-finite result (or derivative) on finite
+# operands, with the operands that decide it and a value on which both are
+# finite: a division by zero, the square root or logarithm of a negative
+# number or of zero, a power of zero with a negative exponent, a pole.
 GUARDED: Mapping[str, tuple[tuple[int, ...], float]] = {
     "div": ((1,), 1.0),
     "rem": ((1,), 1.0),
     "sqrt": ((0,), 1.0),
     "rsqrt": ((0,), 1.0),
+    "cbrt": ((0,), 1.0),
     "log": ((0,), 1.0),
     "log1p": ((0,), 0.0),
     "pow": ((0, 1), 1.0),
+    "tan": ((0,), 0.0),
+    "atan2": ((0, 1), 1.0),
     "acos": ((0,), 0.0),
     "asin": ((0,), 0.0),
-    "acosh": ((0,), 1.0),
+    "acosh": ((0,), 2.0),
     "atanh": ((0,), 0.0),
     "erf_inv": ((0,), 0.0),
     "lgamma": ((0,), 1.0),
     "digamma": ((0,), 1.0),
 }
+
+# Operations whose results and partial derivatives are finite on every
+# finite operand (an overflow aside, which a bare step meets the same way):
+# arithmetic without poles, comparisons and bit operations, the data
+# movement of arrays, reductions, sorts and cumulative ops, products,
+# collectives, and the integer arithmetic of PRNG keys. ``integer_pow``
+# with a negative exponent is guarded (``_SelectPath.equation``).
+FINITE = frozenset(
+    """
+    abs add add_any and argmax argmin asinh atan ceil clamp clz complex conj cos cosh erf erfc exp exp2
+    expm1 floor imag integer_pow is_finite logistic max min mul mulhi ne neg nextafter not or population_count
+    real reduce_precision round select_n shift_left shift_right_arithmetic shift_right_logical sign sin sinh
+    square stop_gradient sub tanh xor eq ge gt le lt convert_element_type copy
+    broadcast_in_dim concatenate dynamic_slice dynamic_update_slice gather iota pad reshape rev scatter
+    scatter-add scatter-sub scatter-mul scatter-min scatter-max slice split squeeze transpose
+    reduce_and reduce_max reduce_min reduce_or reduce_prod reduce_sum reduce_xor
+    cumlogsumexp cummax cummin cumprod cumsum sort top_k dot_general conv_general_dilated
+    optimization_barrier sharding_constraint device_put pvary psum pmax pmin all_gather all_to_all ppermute
+    axis_index random_bits random_fold_in random_seed random_split random_unwrap random_wrap threefry2x32
+    """.split()  # noqa: SIM905 - a table of names, read as words
+)
+
+# Calls the engine can enter that the select path does not: inline, a
+# ``custom_jvp``/``custom_vjp`` function's derivative would be its body's
+# instead of its rule's.
+_CUSTOM_RULES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+
+
+class _Unknown(Exception):
+    """An operation the select path cannot keep finite on a skipped step
+    reads a gradient (or a value computed from one): the step takes the
+    ``lax.cond`` instead."""
 
 
 def runs_unconditionally(closed: jax.extend.core.ClosedJaxpr) -> bool:
@@ -130,17 +179,20 @@ def apply_or_skip(
     if not runs_unconditionally(traced):
         return reference(go, traced.jaxpr, kept, num_grads, consts, args)
 
-    @jax.custom_jvp
-    def branch_free(go, consts, args):
+    def select_path(go, consts, args, derivatives):
         zeroed = _zero_gradients(go, args, num_grads)
         old = dict(enumerate(kept(args)))
-        return _evaluate_selecting(traced.jaxpr, consts, zeroed, go, old, num_suspect=num_grads)
+        return _evaluate_selecting(traced.jaxpr, consts, zeroed, go, old, num_grads, derivatives)
+
+    @jax.custom_jvp
+    def branch_free(go, consts, args):
+        return select_path(go, consts, args, derivatives=False)
 
     def branch_free_jvp(primals, tangents):
-        # Only the perturbed inputs carry tangents into the reference, so
-        # that the rest stay symbolic zeros there as in a bare update (an
-        # instantiated zero tangent meets an infinite partial derivative,
-        # sqrt's at 0, and gives 0 * inf = nan).
+        # Only the perturbed inputs carry tangents, so that the rest stay
+        # symbolic zeros as in a bare update (an instantiated zero tangent
+        # meets an infinite partial derivative, sqrt's at 0, and gives
+        # 0 * inf = nan).
         flat_primals, treedef = jax.tree.flatten(primals)
         flat_tangents = jax.tree.leaves(tangents, is_leaf=_is_symbolic_zero)
         perturbed = [not _is_symbolic_zero(t) for t in flat_tangents]
@@ -148,8 +200,7 @@ def apply_or_skip(
         def of_perturbed(*values):
             values = iter(values)
             full = [next(values) if p else x for x, p in zip(flat_primals, perturbed, strict=True)]
-            go, consts, args = jax.tree.unflatten(treedef, full)
-            return reference(go, traced.jaxpr, kept, num_grads, consts, args)
+            return select_path(*jax.tree.unflatten(treedef, full), derivatives=True)
 
         return jax.jvp(
             of_perturbed,
@@ -158,7 +209,12 @@ def apply_or_skip(
         )
 
     branch_free.defjvp(branch_free_jvp, symbolic_zeros=True)
-    return branch_free(go, consts, args)
+    try:
+        return branch_free(go, consts, args)
+    except _Unknown:
+        # Raised while the select path was traced, before anything of it
+        # was kept; the same decision holds for its derivative rule.
+        return reference(go, traced.jaxpr, kept, num_grads, consts, args)
 
 
 def reference(
@@ -218,6 +274,7 @@ def _evaluate_selecting(
     go: jax.Array,
     old: Mapping[int, Any],
     num_suspect: int,
+    derivatives: bool = False,
 ) -> list[Any]:
     """Evaluates ``jaxpr`` and returns its outputs, output ``i`` (for each
     ``i`` in ``old``) as ``select(go, new, old[i])``, selected where an
@@ -229,13 +286,21 @@ def _evaluate_selecting(
     The first ``num_suspect`` inputs (the zeroed gradients) and every
     selected value hold, on a skipped step, what the update's formulas never
     read; every ``GUARDED`` operation on a value computed from them reads a
-    safe value there instead (``_SelectPath``, the hooks of the package's
-    jaxpr interpreter)."""
+    safe value there instead, and an operation neither ``GUARDED`` nor
+    ``FINITE`` raises ``_Unknown`` (``_SelectPath``, the hooks of the
+    package's jaxpr interpreter).
+
+    With ``derivatives`` (the form the select path is differentiated in),
+    the consumers of a selected value read ``select(go, new,
+    stop_gradient(old))``, whose tangent is the new value's (a symbolic zero
+    where the bare update's is one), and every output is selected on the
+    way out, which gives it the old value's tangent where the step is
+    skipped; the values are the same."""
     chosen: dict[Any, Any] = {}
     for index, var in enumerate(jaxpr.outvars):
         if index in old and not is_literal(var):
             chosen.setdefault(var, old[index])
-    hooks = _SelectPath(go, chosen)
+    hooks = _SelectPath(go, chosen, derivatives)
     labels = [_SUSPECT] * num_suspect + [NO_LABELS] * (len(jaxpr.invars) - num_suspect)
     outs, _ = Interpreter(hooks).evaluate(jaxpr, consts, args, labels, Frame())
     outputs = []
@@ -256,40 +321,56 @@ _SUSPECT = frozenset({"suspect"})
 class _SelectPath(Hooks):
     """The select path's hooks: calls that read a suspect value are entered
     (to guard what their bodies compute), every ``GUARDED`` operation reads
-    a safe value where its operand is suspect and the step is skipped, and
-    the top-level results that are new state values are selected against
-    the old ones where they are produced (and are suspect from then on)."""
+    a safe value where its operand is suspect and the step is skipped, any
+    operation on a suspect value that is neither ``GUARDED`` nor ``FINITE``
+    raises ``_Unknown``, and the top-level results that are new state
+    values are selected against the old ones where they are produced (and
+    are suspect from then on)."""
 
-    def __init__(self, go: jax.Array, chosen: Mapping[Any, Any]):
-        self.go, self.chosen = go, chosen
+    def __init__(self, go: jax.Array, chosen: Mapping[Any, Any], derivatives: bool = False):
+        self.go, self.chosen, self.derivatives = go, chosen, derivatives
         self.selected: set[Any] = set()
 
     def mode(self, eqn: Any, labels: Sequence[Any], frame: Frame) -> Mode:
         del frame
-        # Calls (jit, checkpoint, custom_jvp/custom_vjp: those the engine
-        # can enter) that read a suspect value are entered, to guard the
-        # operations inside; the values are the call's and the derivatives
-        # the reference's, so a custom rule is not needed here.
+        if not any(label >= _SUSPECT for label in labels):
+            return Mode.KEEP
+        # Calls (jit, checkpoint: those the engine can enter, but for
+        # custom derivative rules) that read a suspect value are entered, to
+        # guard the operations inside; anything else on a suspect value
+        # (control flow, a custom rule, a custom_linear_solve) is unknown.
         structure = structure_of(eqn)
-        if structure is not None and Mode.ENTER in structure.modes and any(label >= _SUSPECT for label in labels):
+        if structure is not None and Mode.ENTER in structure.modes and eqn.primitive.name not in _CUSTOM_RULES:
             return Mode.ENTER
-        return Mode.KEEP
+        raise _Unknown(eqn.primitive.name)
 
     def equation(self, equation: Equation, invals: list[Any], bind: Any) -> list[Any]:
         eqn, suspects = equation.eqn, [label >= _SUSPECT for label in equation.labels]
         name = eqn.primitive.name
-        if name in GUARDED and any(suspects):
-            positions, safe = GUARDED[name]
-            invals = [_guard(self.go, v, safe) if i in positions and suspects[i] else v for i, v in enumerate(invals)]
-        if name == "integer_pow" and eqn.params["y"] < 0 and suspects[0]:
-            invals = [_guard(self.go, invals[0], 1.0)]
+        # (A structured equation on a suspect value is entered, or ``mode`` raised.)
+        if any(suspects) and equation.mode is Mode.KEEP:
+            if name in GUARDED:
+                positions, safe = GUARDED[name]
+                invals = [
+                    _guard(self.go, v, safe) if i in positions and suspects[i] else v for i, v in enumerate(invals)
+                ]
+            elif name == "integer_pow" and eqn.params["y"] < 0:
+                invals = [_guard(self.go, invals[0], 1.0)]
+            elif name not in FINITE:
+                raise _Unknown(name)
         outs = bind(invals)
         if equation.frame.depth == 0:
             for i, var in enumerate(eqn.outvars):
                 if var in self.chosen:
-                    self.selected.add(var)
-                    outs[i] = select(self.go, outs[i], self.chosen[var])
+                    outs[i] = self._select(outs[i], var)
         return outs
+
+    def _select(self, new: Any, var: Any) -> Any:
+        """A new state value as its consumers read it (module docstring)."""
+        if self.derivatives:
+            return select(self.go, new, jax.lax.stop_gradient(self.chosen[var]))
+        self.selected.add(var)
+        return select(self.go, new, self.chosen[var])
 
     def relabel(self, equation: Equation, labels: list[Any]) -> list[Any]:
         if equation.frame.depth == 0:
