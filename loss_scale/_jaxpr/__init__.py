@@ -107,11 +107,13 @@ equation: ``tests/test_engine_walkers.py``):
 * ``_segments.marker``: ``marker_name`` stays a predicate on an
   equation, used by the two above.
 * ``_skip._SelectPath`` (``_evaluate_selecting``): labels
-  ``{"suspect"}`` on the gradients; ``mode`` ENTER for calls (checkpoint
-  and custom calls included: those whose ``Structure`` supports it) that
-  read a suspect value; ``equation`` guards ``GUARDED`` operations on
-  suspect inputs and, at the top frame, selects the outputs that are state
-  leaves; ``relabel`` marks selected outputs suspect.
+  ``{"suspect"}`` on the gradients; ``mode`` ENTER for jitted and
+  checkpointed calls that read a suspect value; ``equation`` guards
+  ``GUARDED`` operations on suspect inputs, lets ``FINITE`` ones through,
+  gives up on any other that reads a suspect value (a solve, a
+  decomposition, a ``custom_jvp``/``custom_vjp`` function: the step then
+  takes the ``lax.cond``) and, at the top frame, selects the outputs that
+  are state leaves; ``relabel`` marks selected outputs suspect.
 * ``_autocast._rewrite.Autocast`` (``ls.autocast``): ``mode`` ENTER for
   jit/closed_call, REBUILD for every other structured primitive (KEEP
   inside ``full_precision``); ``equation`` casts each equation's inputs
