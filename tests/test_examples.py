@@ -143,6 +143,28 @@ def test_autocast_mlp_fails_outside_its_tolerance(capsys):
     assert "NOT within 0%" in capsys.readouterr().out
 
 
+def test_low_precision_mlp_ends_near_float32_where_nearest_rounding_does_not(capsys):
+    # bfloat16 params and AdamW moments: Kahan-compensated and stochastic
+    # rounding end within the script's tolerance of float32's final loss,
+    # rounding to nearest (optax.apply_updates alone) far above it.
+    pytest.importorskip("equinox")
+    pytest.importorskip("sklearn")
+    module = load("low_precision")
+    results = module.main([])  # the defaults: 800 steps
+    out = capsys.readouterr().out
+    runs = results["runs"]
+    assert list(runs) == list(module.RUNS)
+    assert results["within_tolerance"] and "(within 5%)" in out and results["summary"] in out
+    for label in module.CHECKED:
+        assert abs(runs[label]["gap_to_float32"]) <= 0.05, (label, runs[label]["gap_to_float32"])
+        assert runs[label]["param_dtype"] == "bfloat16"
+    assert runs["bfloat16, nearest"]["gap_to_float32"] > 0.3
+    assert runs["float32"]["state_bytes"] == pytest.approx(8.0, abs=0.01)
+    assert runs["bfloat16, kahan"]["state_bytes"] == pytest.approx(6.0, abs=0.01)
+    assert runs["bfloat16, stochastic"]["state_bytes"] == pytest.approx(4.0, abs=0.01)
+    assert all(len(run["losses"]) == 800 and all(map(math.isfinite, run["losses"])) for run in runs.values())
+
+
 def test_next_token_model_and_batches():
     from flax import nnx
 
@@ -186,7 +208,15 @@ def test_help_shows_every_default(name):
 
 
 def test_the_examples_are_found():
-    assert SCRIPTS == ["autocast_mlp", "cnn_digits", "debug_overflow", "equinox_mlp", "nnx_lm", "quickstart"]
+    assert SCRIPTS == [
+        "autocast_mlp",
+        "cnn_digits",
+        "debug_overflow",
+        "equinox_mlp",
+        "low_precision",
+        "nnx_lm",
+        "quickstart",
+    ]
 
 
 def test_results_table():

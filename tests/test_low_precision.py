@@ -423,6 +423,9 @@ def test_bad_use_is_refused_with_what_to_do():
         tx.update(params, stochastic_state, params)
     with pytest.raises(ValueError, match="does not have the params' structure"):
         tx.update({"v": params["w"]}, state, {"v": params["w"]})
+    widened = {"w": params["w"].astype(F32)}  # what eqx.apply_updates makes of bfloat16 + a float32 update
+    with pytest.raises(ValueError, match=r"\['w'\] is float32 but its compensation is bfloat16.*eqx.apply_updates"):
+        tx.update(widened, state, widened)
     with pytest.raises(TypeError, match=r"parameter \['q'\] is float8_e4m3fn"):
         tx.init({"q": jnp.ones(2, jnp.float8_e4m3fn)})
     nested = ls.low_precision(optax.chain(optax.clip(1.0), ls.dynamic(optax.sgd(1.0))))

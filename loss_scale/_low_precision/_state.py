@@ -104,9 +104,17 @@ def check_compensation(compensation: Any, params: Any, kahan: bool) -> list[Any]
         if (wanted and have != (param.shape, param.dtype)) or (not wanted and buffer is not None):
             expected = f"a {param.dtype}{list(param.shape)} buffer" if wanted else "None"
             found = "None" if buffer is None else f"{have[1]}{list(have[0] or ())}"
+            where = jax.tree_util.keystr(path) or "the params"
+            if buffer is not None and not is_half(param) and kahan:
+                raise ValueError(
+                    f"the parameter {where} is {param.dtype} but its compensation is {found}: a half-precision "
+                    "parameter came back wider, because the updates were added without casting back to its dtype "
+                    "(eqx.apply_updates does that). Apply them with optax.apply_updates, ls.apply_gradients or "
+                    "loss_scale.equinox.apply_gradients, which cast."
+                )
             raise ValueError(
-                f"the state's compensation for {jax.tree_util.keystr(path) or 'the params'} is {found} where this "
-                f"transformation keeps {expected}: the state was made by a low_precision with another rounding, or "
-                "for other params. Make it with tx.init(params)."
+                f"the state's compensation for {where} is {found} where this transformation keeps {expected}: the "
+                "state was made by a low_precision with another rounding, or for other params. Make it with "
+                "tx.init(params)."
             )
     return buffers
