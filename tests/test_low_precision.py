@@ -351,8 +351,8 @@ def test_the_key_is_deterministic_advances_and_differs_per_leaf():
     assert not np.array_equal(np.asarray(first["a"]), np.asarray(second["a"]))
     other = ls.low_precision(optax.sgd(1.0), "stochastic", seed=6)
     assert not np.array_equal(np.asarray(other.update(grads, other.init(params), params)[0]["a"]), first["a"])
-    # The same seed in a new transformation: the same run.
-    same = ls.low_precision(optax.sgd(1.0), "stochastic", seed=5)
+    # The same seed in a new transformation (a NumPy integer too): the same run.
+    same = ls.low_precision(optax.sgd(1.0), "stochastic", seed=np.int64(5))
     assert_trees_bitwise(same.update(grads, same.init(params), params), (first, state1))
 
 
@@ -403,6 +403,7 @@ def test_float16_state_warning_skips_the_compensation_buffer():
         (lambda: ls.low_precision(optax.sgd(1.0), seed=1.5), TypeError, "seed must be an int, got 1.5"),
         (lambda: ls.low_precision(optax.sgd(1.0), seed=True), TypeError, "seed must be an int"),
         (lambda: ls.low_precision(optax.sgd(1.0), seed=2**70), ValueError, "seed must fit in 64 bits"),
+        (lambda: ls.low_precision(optax.sgd(1.0), seed="0"), TypeError, "seed must be an int, got '0'"),
     ],
 )
 def test_bad_input_is_refused_at_construction(call, error, match):

@@ -7,6 +7,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from loss_scale._low_precision._rounding import (
@@ -285,10 +286,10 @@ def _state_dtype(state_dtype: Any) -> jnp.dtype | None:
 
 def _key_data(seed: Any) -> jax.Array:
     """The raw threefry key data made from ``seed``, or a TypeError naming it."""
-    if isinstance(seed, bool) or not isinstance(seed, int):
+    if isinstance(seed, bool | np.bool_) or not isinstance(seed, int | np.integer):
         raise TypeError(f"seed must be an int, got {seed!r} of type {type(seed).__name__}")
     try:
-        return jax.random.key_data(jax.random.key(seed, impl=_KEY_IMPL))
+        return jax.random.key_data(jax.random.key(int(seed), impl=_KEY_IMPL))
     except OverflowError:
         raise ValueError(f"seed must fit in 64 bits, got {seed}") from None
 
