@@ -8,13 +8,19 @@ gradients), so that it fuses into the optimizer's own elementwise pass and
 
 Exactness of the updates. A new parameter ``q`` is always one of the two
 values of the parameter's dtype next to ``x = float32(p) + y`` (``y`` a
-float32 update), where ``x`` is itself computed in float32. For such a
-``q``, ``q - p`` is a float32 value (no rounding), so ``u = float32(q) -
-float32(p)`` gives ``float32(p) + u == q`` exactly: ``optax.apply_updates``
-(which adds in float32 and casts to the parameter's dtype) reproduces ``q``
+float32 update), where ``x`` is itself computed in float32, and the update
+returned is ``u = float32(q) - float32(p)``. Where ``q`` is within a few
+binades of ``p``, or far below it (a near-total cancellation: ``x`` then is
+``p + y`` exactly, on a grid that ``q`` shares), ``q - p`` is a float32
+value and ``float32(p) + u == q`` exactly. Where ``q`` is many binades above
+``p`` the difference is rounded, and ``float32(p) + u`` is ``q`` or a
+float32 neighbour of it (near a power of two no float32 ``u`` gives ``q``
+itself); a float32 unit is far below half a step of bfloat16 or float16,
+so the cast to the parameter's dtype gives ``q``. Either way
+``optax.apply_updates`` (which adds in float32 and casts) reproduces ``q``
 bit for bit. The tests check it on hundreds of thousands of random values,
-magnitudes
-from float16's subnormals to bfloat16's 2**60 and near-total cancellations.
+magnitudes from float16's subnormals to bfloat16's 2**60, updates from
+2**-40 to 2**40 times the parameter and near-total cancellations.
 """
 
 from __future__ import annotations

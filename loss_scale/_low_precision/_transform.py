@@ -63,7 +63,9 @@ def low_precision(
     The returned updates are float32, chosen so that
     ``optax.apply_updates(params, updates)`` (which adds in float32 and
     casts to the parameter's dtype) gives exactly the rounded new
-    parameters: the sum needs no rounding at all. So it works wherever
+    parameters (the float32 sum is that parameter, or, where the update
+    is many binades larger than the parameter, a float32 neighbour of it
+    that the cast rounds back). So it works wherever
     updates are applied with ``optax.apply_updates``: ``ls.apply_gradients``,
     flax's ``TrainState.apply_gradients``, ``loss_scale.flax.Optimizer``,
     ``loss_scale.equinox.apply_gradients``.
