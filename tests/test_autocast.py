@@ -33,19 +33,33 @@ def dtypes_of(variables):
     return [np.dtype(v.aval.dtype) for v in variables if jnp.issubdtype(v.aval.dtype, jnp.floating)]
 
 
-def assert_rewritten(eqns, half=F16, min_products=1, float32_list=True):
-    """Every product/convolution reads and writes ``half``; every operation of
-    the float32 list reads and writes float32."""
+def assert_rewritten(eqns, half=F16, min_products=1, float32_list=True, backward=False):
+    """Every product/convolution reads ``half`` and writes ``half``, or
+    float32 where a float32 operation reads its result (it returns its
+    float32 accumulation then); every operation of the float32 list reads
+    and writes float32. In a backward pass (``backward``) the transposes of
+    a product that returns float32 read its float32 cotangent with a half
+    operand, as ``jax.nn.dot_product_attention``'s do."""
     products = [e for e in eqns if e.primitive.name in HALF]
     assert len(products) >= min_products, [e.primitive.name for e in eqns]
     for e in products:
-        assert set(dtypes_of(e.invars) + dtypes_of(e.outvars)) == {half}, e
+        if backward:
+            assert half in dtypes_of(e.invars) and set(dtypes_of(e.invars)) <= {half, F32}, e
+        else:
+            assert set(dtypes_of(e.invars)) == {half}, e
+        assert dtypes_of(e.outvars) in ([half], [F32]), e
     if not float32_list:
         return
     wide = [e for e in eqns if e.primitive.name in FLOAT32]
     assert wide, "the model has no float32-list operation"
     for e in wide:
         assert set(dtypes_of(e.invars) + dtypes_of(e.outvars)) <= {F32}, e
+
+
+def operands_half(eqns, half=F16):
+    """The products of ``eqns`` (at least one) read ``half``."""
+    products = [e for e in eqns if e.primitive.name in HALF]
+    return bool(products) and all(set(dtypes_of(e.invars)) == {half} for e in products)
 
 
 def rel_err(a, b):
@@ -83,7 +97,15 @@ def test_products_in_half_and_float32_list_in_float32(loss, args):
     # model's does.)
     grad_eqns = all_equations(jax.grad(ls.autocast(loss)), *args)
     n_forward = len([e for e in eqns if e.primitive.name in HALF])
-    assert_rewritten(grad_eqns, min_products=2 * n_forward, float32_list=False)
+    assert_rewritten(grad_eqns, min_products=2 * n_forward, float32_list=False, backward=True)
+
+
+def test_a_product_a_float32_operation_reads_returns_float32_and_the_others_half():
+    # The MLP's hidden products feed products; its logits feed the
+    # cross-entropy's log-softmax: float16 operands, float32 result.
+    products = [e for e in all_equations(ls.autocast(models.mlp_loss), *MLP) if e.primitive.name in HALF]
+    assert [dtypes_of(e.invars) for e in products] == [[F16, F16]] * len(products)
+    assert [dtypes_of(e.outvars) for e in products] == [[F16]] * (len(products) - 1) + [[F32]]
 
 
 def test_convolution_in_half():
@@ -287,8 +309,7 @@ def test_custom_jvp_rule_kept():
     assert got.dtype == F32
     assert max_rel_tree(got, want) < 1e-6
     # The body, called without differentiation, is rewritten.
-    assert_rewritten_body = [e for e in all_equations(ls.autocast(loss), w, XS) if e.primitive.name in HALF]
-    assert assert_rewritten_body and all(dtypes_of(e.outvars) == [F16] for e in assert_rewritten_body)
+    assert operands_half(all_equations(ls.autocast(loss), w, XS))
 
 
 def test_custom_vjp_rule_kept():
@@ -313,8 +334,7 @@ def test_custom_vjp_rule_kept():
     got = jax.grad(ls.autocast(loss))(w, XS)
     assert max_rel_tree(got, jax.grad(loss)(w, XS)) < 1e-6
     assert rel_err(ls.autocast(loss)(w, XS), loss(w, XS)) < 1e-2
-    products = [e for e in all_equations(ls.autocast(loss), w, XS) if e.primitive.name in HALF]
-    assert products and all(dtypes_of(e.outvars) == [F16] for e in products)
+    assert operands_half(all_equations(ls.autocast(loss), w, XS))
 
 
 def test_relu_gelu_softplus_derivatives():
@@ -338,7 +358,8 @@ def test_full_precision_keeps_a_region_float32():
         return models.cross_entropy(logits @ params[2][0], y)
 
     eqns = all_equations(ls.autocast(loss), *MLP)
-    products = [dtypes_of(e.outvars)[0] for e in eqns if e.primitive.name == "dot_general"]
+    # The region's product reads float32 operands; the others read float16.
+    products = [dtypes_of(e.invars)[0] for e in eqns if e.primitive.name == "dot_general"]
     assert sorted(p.name for p in products) == ["float16", "float16", "float32"]
     # outside autocast it is the function itself
     assert_trees_bitwise(jax.grad(loss)(*MLP), jax.grad(lambda *a: loss(*a))(*MLP))
@@ -428,7 +449,7 @@ def test_policy_autocast():
     logits = policy.autocast(models.mlp_logits)(MLP[0], MLP[1])
     assert logits.dtype == F16
     eqns = all_equations(policy.autocast(models.mlp_logits), MLP[0], MLP[1])
-    assert all(dtypes_of(e.outvars) == [F16] for e in eqns if e.primitive.name == "dot_general")
+    assert all(dtypes_of(e.outvars) == [F16] for e in eqns if e.primitive.name == "dot_general")  # none feeds float32
     same = ls.Policy.from_string("params=f32,compute=f32,output=f32").autocast(models.mlp_loss)
     assert_trees_bitwise(same(*MLP), models.mlp_loss(*MLP))
 
@@ -489,7 +510,10 @@ def test_softmax_runs_in_float32_from_its_input():
 
     eqns = all_equations(ls.autocast(attention_weights), SQUARE[0][0], XS)
     names = {e.primitive.name: dtypes_of(e.outvars) for e in eqns}
-    assert names["dot_general"] == [F16]
+    # The logits: float16 operands, their float32 accumulation returned (the
+    # softmax reads them), as jax.nn.dot_product_attention computes them.
+    (product,) = [e for e in eqns if e.primitive.name == "dot_general"]
+    assert dtypes_of(product.invars) == [F16, F16] and names["dot_general"] == [F32]
     assert names["reduce_max"] == names["exp"] == names["reduce_sum"] == names["div"] == [F32]
     assert ls.autocast(attention_weights)(SQUARE[0][0], XS).dtype == F32
 
@@ -516,6 +540,6 @@ def test_under_and_around_shard_map():
         return jnp.mean(jnp.exp(h))
 
     eqns = all_equations(ls.autocast(sharded_loss), w, x)
-    assert [dtypes_of(e.outvars) for e in eqns if e.primitive.name == "dot_general"] == [[F16]]
+    assert [dtypes_of(e.outvars) for e in eqns if e.primitive.name == "dot_general"] == [[F16]]  # tanh bounds it
     assert rel_err(ls.autocast(sharded_loss)(w, x), sharded_loss(w, x)) < 1e-2
     assert jax.grad(ls.autocast(sharded_loss))(w, x).dtype == F32

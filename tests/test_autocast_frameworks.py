@@ -27,10 +27,13 @@ Y = jax.random.normal(jax.random.PRNGKey(1), (16, 1))
 
 
 def product_dtypes(fn, *args):
+    """The dtypes the products read (their operands); a product whose
+    result a float32 operation reads returns float32 from them."""
     return {
-        np.dtype(e.outvars[0].aval.dtype)
+        np.dtype(v.aval.dtype)
         for e in equations(jax.make_jaxpr(fn)(*args).jaxpr)
         if e.primitive.name == "dot_general"
+        for v in e.invars
     }
 
 

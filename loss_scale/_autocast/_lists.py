@@ -41,7 +41,11 @@ promotion; any other float32 value (a parameter, an input, a constant) is
 cast to half precision where it is used, as TensorFlow's rewrite casts a
 variable read by a half-precision operation.
 
-Two exceptions keep values inside the range they need. What a
+Two exceptions keep values inside the range they need. A product whose
+result a ``FLOAT32`` operation reads (attention's logits before their
+softmax, a classifier's before its cross-entropy) returns its float32
+accumulation from half-precision operands, as
+``jax.nn.dot_product_attention`` computes its logits. What a
 ``FLOAT32`` operation reads (``_feeds``) is computed in float32 where
 half precision could take it out of range: a ``GROWING`` operation (the
 square a variance sums, an MSE's squared errors) and one that reads a

@@ -213,7 +213,7 @@ class Autocast(Hooks):
         if self._wide(eqn, labels):
             floating = floating | _BEYOND | (_PINNED if name in HALF else NO_LABELS)
         elif name in HALF:
-            return [NO_LABELS] * len(eqn.outvars)
+            return [_PINNED if self._feeds(eqn) else NO_LABELS] * len(eqn.outvars)
         if name in FOLLOW and self._feeds(eqn) and grows(eqn):
             floating = floating | _PINNED
         return [floating] * len(eqn.outvars)
@@ -264,10 +264,18 @@ class Autocast(Hooks):
         if not floating or not all(_declared_f32(v) for v in floating):
             return self._declared(eqn, invals)
         vals = self.cast_inputs(eqn, invals, self.dtype)
+        # A product whose result a float32 operation reads (attention's
+        # logits before their softmax, a layer's output before its norm)
+        # returns float32, accumulated from half operands, as
+        # ``jax.nn.dot_product_attention`` computes its logits: half
+        # precision would cap it at the half range for nothing, since its
+        # reader casts it up.
+        out = _F32 if self._feeds(eqn) else self.dtype
         params = dict(eqn.params)
         if params.get("preferred_element_type") is not None:
-            params["preferred_element_type"] = self.dtype
-        return bind(eqn.replace(params=params), vals)
+            params["preferred_element_type"] = out
+            return bind(eqn.replace(params=params), vals)
+        return [_convert_to(x, out) for x in bind(eqn, vals)]
 
     def _convert(self, eqn: Any, invals: list[Any]) -> list[Any]:
         (var,), (x,) = eqn.invars, invals
