@@ -32,13 +32,14 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from loss_scale._jaxpr import Equation, Frame, Hooks, Interpreter, Labels, Mode, structure_of
+from loss_scale._jaxpr import Equation, Frame, Hooks, Interpreter, Labels, Mode, bodies, structure_of, walk
 from loss_scale._sharding import vary_along, varying_axes
 
 # Calls whose body is evaluated in place (its equations are probed one by
 # one). A custom_jvp/custom_vjp call is kept whole: entering it would drop
 # its rule, and the derivatives would then be those of its body.
 _ENTERED = frozenset({"pjit", "jit", "closed_call", "core_call", "checkpoint", "remat2"})
+_CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 
 
 class Site(NamedTuple):
@@ -177,7 +178,11 @@ class Evaluator(Hooks):
             self.inlined.add(name)
             return outs
         if structure_of(eqn) is not None:
-            self.whole.add(name)
+            single = _single_operation(eqn)
+            if single is None:
+                self.whole.add(name)
+            else:
+                name = single
         where, library = _locate(eqn, equation.frame.scope)
         return [self.probe(x, where, name, v, library) for x, v in zip(outs, eqn.outvars, strict=True)]
 
@@ -199,6 +204,20 @@ class Evaluator(Hooks):
             self._used += 1
         self.values.append(x)
         return x
+
+
+def _single_operation(eqn: Any) -> str | None:
+    """The primitive of a custom_jvp/custom_vjp function whose body is one
+    operation (``ls.autocast``'s logits product, which returns float32 and
+    differentiates in half precision): its row is that operation's, and
+    keeping it whole hides nothing. None for anything else."""
+    if eqn.primitive.name not in _CUSTOM:
+        return None
+    found = bodies(eqn)
+    inside = [e for body in found for _, e in walk(body.jaxpr)]
+    if len(found) != 1 or len(inside) != 1 or bodies(inside[0]):
+        return None
+    return inside[0].primitive.name
 
 
 class Paths(NamedTuple):

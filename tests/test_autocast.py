@@ -33,20 +33,15 @@ def dtypes_of(variables):
     return [np.dtype(v.aval.dtype) for v in variables if jnp.issubdtype(v.aval.dtype, jnp.floating)]
 
 
-def assert_rewritten(eqns, half=F16, min_products=1, float32_list=True, backward=False):
+def assert_rewritten(eqns, half=F16, min_products=1, float32_list=True):
     """Every product/convolution reads ``half`` and writes ``half``, or
-    float32 where a float32 operation reads its result (it returns its
-    float32 accumulation then); every operation of the float32 list reads
-    and writes float32. In a backward pass (``backward``) the transposes of
-    a product that returns float32 read its float32 cotangent with a half
-    operand, as ``jax.nn.dot_product_attention``'s do."""
+    float32 where a softmax reads its result (it returns its float32
+    accumulation then); every operation of the float32 list reads and
+    writes float32."""
     products = [e for e in eqns if e.primitive.name in HALF]
     assert len(products) >= min_products, [e.primitive.name for e in eqns]
     for e in products:
-        if backward:
-            assert half in dtypes_of(e.invars) and set(dtypes_of(e.invars)) <= {half, F32}, e
-        else:
-            assert set(dtypes_of(e.invars)) == {half}, e
+        assert set(dtypes_of(e.invars)) == {half}, e
         assert dtypes_of(e.outvars) in ([half], [F32]), e
     if not float32_list:
         return
@@ -97,10 +92,10 @@ def test_products_in_half_and_float32_list_in_float32(loss, args):
     # model's does.)
     grad_eqns = all_equations(jax.grad(ls.autocast(loss)), *args)
     n_forward = len([e for e in eqns if e.primitive.name in HALF])
-    assert_rewritten(grad_eqns, min_products=2 * n_forward, float32_list=False, backward=True)
+    assert_rewritten(grad_eqns, min_products=2 * n_forward, float32_list=False)
 
 
-def test_a_product_a_float32_operation_reads_returns_float32_and_the_others_half():
+def test_a_product_a_softmax_reads_returns_float32_and_the_others_half():
     # The MLP's hidden products feed products; its logits feed the
     # cross-entropy's log-softmax: float16 operands, float32 result.
     products = [e for e in all_equations(ls.autocast(models.mlp_loss), *MLP) if e.primitive.name in HALF]
@@ -514,6 +509,13 @@ def test_softmax_runs_in_float32_from_its_input():
     # softmax reads them), as jax.nn.dot_product_attention computes them.
     (product,) = [e for e in eqns if e.primitive.name == "dot_general"]
     assert dtypes_of(product.invars) == [F16, F16] and names["dot_general"] == [F32]
+    # Its derivative's products run in float16, as (a @ b).astype(float32)'s.
+    grads = all_equations(jax.grad(lambda w, x: jnp.sum(ls.autocast(attention_weights)(w, x) ** 2)), SQUARE[0][0], XS)
+    products = [e for e in grads if e.primitive.name == "dot_general"]
+    forward = [e for e in products if dtypes_of(e.outvars) == [F32]]
+    backward = [e for e in products if e not in forward]
+    assert len(forward) == 1 and dtypes_of(forward[0].invars) == [F16, F16]
+    assert backward and all(set(dtypes_of(e.invars) + dtypes_of(e.outvars)) == {F16} for e in backward)
     assert names["reduce_max"] == names["exp"] == names["reduce_sum"] == names["div"] == [F32]
     assert ls.autocast(attention_weights)(SQUARE[0][0], XS).dtype == F32
 

@@ -7,8 +7,7 @@ operation                              runs in
 =====================================  ===================================
 ``dot_general``,                       ``dtype`` (float32 operands cast
 ``conv_general_dilated`` (``HALF``)    where they are read); the result
-                                       float32 where a ``FLOAT32``
-                                       operation reads it
+                                       float32 where a softmax reads it
 ``exp``, ``log``, ``pow``, ``rsqrt``,  float32 (half operands cast up):
 sums, products, cumulative sums,       softmax, logsumexp, cross-entropy,
 ``reduce_max``, the special functions  a norm's statistics
@@ -19,8 +18,8 @@ reshapes, slices, elementwise max      is half, unless another is a
                                        float32 where a ``FLOAT32``
                                        operation reads the result and it
                                        could leave the half range (a
-                                       square a variance sums, an
-                                       argument a softmax reads)
+                                       square a variance sums, a mask
+                                       argument added to logits)
 anything else (random bits, sort,      as declared (inputs cast back)
 scatter, callbacks, Pallas and custom
 calls)
@@ -102,9 +101,9 @@ def autocast(fun: F, dtype: Any = jax.numpy.float16) -> F:
     and ``ls.value_and_grad``. Every ``dot_general`` and
     ``conv_general_dilated`` whose operands are float32 computes in
     ``dtype`` (the operands cast where they are read, so float32
-    parameters keep float32 gradients; a product whose result a float32
-    operation reads, attention's logits or a classifier's, returns its
-    float32 accumulation); exponentials, logarithms, powers,
+    parameters keep float32 gradients; a product whose result a softmax
+    reads, attention's logits or a classifier's, returns its float32
+    accumulation, and differentiates in ``dtype``); exponentials, logarithms, powers,
     sums and products compute in float32, so softmax, cross-entropy and
     normalisation statistics stay in float32, and so does what they read
     where half precision could take it out of range (the square a variance
@@ -140,14 +139,14 @@ def autocast(fun: F, dtype: Any = jax.numpy.float16) -> F:
     Examples:
       >>> import jax, jax.numpy as jnp, loss_scale as ls
       >>> def loss_fn(w, x):
-      ...     return jnp.mean(jax.nn.log_softmax(jnp.tanh(x @ w) @ w) ** 2)
+      ...     return jnp.mean(jnp.tanh(x @ w) ** 2)
       >>> w, x = jnp.ones((4, 4)) / 4, jnp.ones((2, 4))
       >>> f16_loss = ls.autocast(loss_fn)
-      >>> products = [e for e in jax.make_jaxpr(f16_loss)(w, x).eqns if e.primitive.name == "dot_general"]
-      >>> [[str(v.aval.dtype) for v in e.invars] for e in products]  # what they read
-      [['float16', 'float16'], ['float16', 'float16']]
-      >>> [str(e.outvars[0].aval.dtype) for e in products]  # the logits the softmax reads: float32
-      ['float16', 'float32']
+      >>> (product,) = [e for e in jax.make_jaxpr(f16_loss)(w, x).eqns if e.primitive.name == "dot_general"]
+      >>> [str(v.aval.dtype) for v in (*product.invars, *product.outvars)]
+      ['float16', 'float16', 'float16']
+      >>> f16_loss(w, x).dtype
+      dtype('float32')
       >>> jax.grad(f16_loss)(w, x).dtype
       dtype('float32')
     """

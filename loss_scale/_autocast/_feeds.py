@@ -59,9 +59,10 @@ def _jaxprs(top: Any) -> list[Any]:
     return found
 
 
-def feeds_float32(jaxpr: Any) -> frozenset:
+def feeds_float32(jaxpr: Any, readers: frozenset = FLOAT32) -> frozenset:
     """The variables of ``jaxpr`` (and of its bodies) whose values are read
-    by a ``FLOAT32`` operation, directly or through ``FOLLOW`` operations.
+    by a ``FLOAT32`` operation (one of ``readers``: ``SOFTMAX`` for the
+    logits), directly or through ``FOLLOW`` operations.
 
     Examples:
       >>> import jax, jax.numpy as jnp
@@ -87,12 +88,12 @@ def feeds_float32(jaxpr: Any) -> frozenset:
         for each in jaxprs:
             for _, eqn in walk(each, reverse=True):
                 name = eqn.primitive.name
-                if name in FLOAT32:
+                if name in readers:
                     changed |= mark(eqn.invars)
                 elif name in _THROUGH:
                     if any(v in reach for v in eqn.outvars):
                         changed |= mark(eqn.invars)
-                elif name not in BOUNDED:
+                elif name not in BOUNDED and name not in FLOAT32:
                     changed |= _across(eqn, reach, mark)
     return frozenset(reach)
 

@@ -42,16 +42,15 @@ cast to half precision where it is used, as TensorFlow's rewrite casts a
 variable read by a half-precision operation.
 
 Two exceptions keep values inside the range they need. A product whose
-result a ``FLOAT32`` operation reads (attention's logits before their
-softmax, a classifier's before its cross-entropy) returns its float32
-accumulation from half-precision operands, as
-``jax.nn.dot_product_attention`` computes its logits. What a
+result a softmax reads (``SOFTMAX``: attention's logits, a classifier's
+before its cross-entropy) returns its float32 accumulation from
+half-precision operands, as ``jax.nn.dot_product_attention`` computes its
+logits (its derivative's products stay in half precision). What a
 ``FLOAT32`` operation reads (``_feeds``) is computed in float32 where
 half precision could take it out of range: a ``GROWING`` operation (the
-square a variance sums, an MSE's squared errors) and one that reads a
-float32 value with a half one (a mask or a target added to half values
-before a softmax or a loss), back to the last product and not past a
-``BOUNDED`` function. This is what flax's half-precision norms do by
+square a variance sums, an MSE's squared errors) and, what a softmax
+reads, one that reads a float32 value with a half one (a mask added to
+logits), back to the last product and not past a ``BOUNDED`` function. This is what flax's half-precision norms do by
 casting their input up before their statistics, and torch's autocast by
 running ``pow``, the norms and ``mse_loss`` in float32; a trace of a
 float32 model holds no such cast (it is a no-op there), so the rewrite
@@ -188,6 +187,12 @@ BOUNDED = frozenset({"tanh", "logistic", "erf", "erfc", "sin", "cos", "atan", "a
 # product or a quotient (a square, a variance's terms, an MSE's squared
 # errors, an inverse).
 GROWING = frozenset({"mul", "div", "square", "integer_pow"})
+
+# The ``FLOAT32`` operations that begin a softmax, a log-softmax or a
+# logsumexp (the largest element, which they subtract): what they read are
+# logits, which a mask pushes far beyond the half range (``-1e9``,
+# float32's minimum) and which a softmax takes at any size.
+SOFTMAX = frozenset({"reduce_max", "cumlogsumexp"})
 
 # The label of a float32 value computed in float32 by the ``FLOAT32`` list
 # (or inside ``full_precision``): a ``FOLLOW`` operation that reads one

@@ -16,6 +16,8 @@ their declared dtypes at its boundary.
 
 from __future__ import annotations
 
+import functools
+import operator
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -23,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.custom_derivatives import SymbolicZero
 
 from loss_scale._autocast._feeds import feeds_float32
 from loss_scale._autocast._lists import (
@@ -33,6 +36,7 @@ from loss_scale._autocast._lists import (
     FULL_PRECISION_SCOPE,
     GROWING,
     HALF,
+    SOFTMAX,
 )
 from loss_scale._jaxpr import (
     NO_LABELS,
@@ -114,6 +118,38 @@ def grows(eqn: Any) -> bool:
     return True
 
 
+def _returning(eqn: Any, dtype: np.dtype) -> Any:
+    """A product equation that returns ``dtype`` (its accumulation type)."""
+    if eqn.params.get("preferred_element_type") is None:
+        return eqn
+    return eqn.replace(params={**eqn.params, "preferred_element_type": dtype})
+
+
+def accumulated(eqn: Any, half: np.dtype) -> Callable[[Any, Any], Any]:
+    """The product ``eqn`` of two half-precision operands returning its
+    float32 accumulation, with the derivative of the same product cast to
+    float32 after it: the products of its forward and backward passes run
+    in half precision, as a hand-cast model's ``(a @ b).astype(float32)``
+    does, while its value never overflows the half range."""
+    wide, narrow = _returning(eqn, _F32), _returning(eqn, half)
+
+    @jax.custom_jvp
+    def product(a: Any, b: Any) -> Any:
+        return _convert_to(bind(wide, [a, b])[0], _F32)
+
+    def tangent(primals: Any, tangents: Any) -> tuple[Any, Any]:
+        (a, b), (ta, tb) = primals, tangents
+        terms = []
+        if not isinstance(ta, SymbolicZero):
+            terms.append(bind(narrow, [ta, b])[0])
+        if not isinstance(tb, SymbolicZero):
+            terms.append(bind(narrow, [a, tb])[0])
+        return product(a, b), _convert_to(functools.reduce(operator.add, terms), _F32)
+
+    product.defjvp(tangent, symbolic_zeros=True)
+    return product
+
+
 def _as_array(var: Any, x: Any) -> Any:
     return x if isinstance(x, jax.Array) else jnp.asarray(x, var.aval.dtype)
 
@@ -134,15 +170,17 @@ class Autocast(Hooks):
 
     Labels mark the float32 values computed in float32 on purpose
     (``FLOAT32_RESULT``): the outputs of the ``FLOAT32`` list, of
-    ``full_precision`` calls and of ``FOLLOW`` operations that feed a
-    ``FLOAT32`` one (``feeding``, from ``_feeds.feeds_float32``), and what
-    ``FOLLOW`` operations compute from them; and the constants beyond the
-    half range (``BEYOND_HALF``) with what moves or combines them."""
+    ``full_precision`` calls, of the growing ``FOLLOW`` operations that feed
+    a ``FLOAT32`` one (``feeding``, from ``_feeds.feeds_float32``) and of
+    the products a softmax reads (``logits``, from the same with
+    ``SOFTMAX``), and what ``FOLLOW`` operations compute from them; and the
+    constants beyond the half range (``BEYOND_HALF``) with what moves or
+    combines them."""
 
-    def __init__(self, dtype: np.dtype, feeding: frozenset = frozenset()):
+    def __init__(self, dtype: np.dtype, feeding: frozenset = frozenset(), logits: frozenset = frozenset()):
         self.dtype = np.dtype(dtype)
         self.largest = float(jnp.finfo(self.dtype).max)
-        self.feeding = feeding
+        self.feeding, self.logits = feeding, logits
         # Each traced value cast to a dtype once per trace, however many
         # operations read it: (id of the value, dtype) -> [(trace, the value,
         # its cast)]. The value is kept so that its id is not reused; the
@@ -191,6 +229,9 @@ class Autocast(Hooks):
     def _feeds(self, eqn: Any) -> bool:
         return any(v in self.feeding for v in eqn.outvars)
 
+    def _logits(self, eqn: Any) -> bool:
+        return any(v in self.logits for v in eqn.outvars)
+
     def mode(self, eqn: Any, labels: Sequence[Labels], frame: Frame) -> Mode:
         del labels
         if in_full_precision(eqn, frame):
@@ -213,7 +254,7 @@ class Autocast(Hooks):
         if self._wide(eqn, labels):
             floating = floating | _BEYOND | (_PINNED if name in HALF else NO_LABELS)
         elif name in HALF:
-            return [_PINNED if self._feeds(eqn) else NO_LABELS] * len(eqn.outvars)
+            return [_PINNED if self._logits(eqn) else NO_LABELS] * len(eqn.outvars)
         if name in FOLLOW and self._feeds(eqn) and grows(eqn):
             floating = floating | _PINNED
         return [floating] * len(eqn.outvars)
@@ -264,18 +305,15 @@ class Autocast(Hooks):
         if not floating or not all(_declared_f32(v) for v in floating):
             return self._declared(eqn, invals)
         vals = self.cast_inputs(eqn, invals, self.dtype)
-        # A product whose result a float32 operation reads (attention's
-        # logits before their softmax, a layer's output before its norm)
-        # returns float32, accumulated from half operands, as
+        # A product whose result a softmax reads (attention's logits, a
+        # classifier's) returns float32, accumulated from half operands, as
         # ``jax.nn.dot_product_attention`` computes its logits: half
-        # precision would cap it at the half range for nothing, since its
-        # reader casts it up.
-        out = _F32 if self._feeds(eqn) else self.dtype
-        params = dict(eqn.params)
-        if params.get("preferred_element_type") is not None:
-            params["preferred_element_type"] = out
-            return bind(eqn.replace(params=params), vals)
-        return [_convert_to(x, out) for x in bind(eqn, vals)]
+        # precision would cap them at the half range for nothing, since the
+        # softmax casts them up.
+        if self._logits(eqn):
+            with at_source(eqn):
+                return [accumulated(eqn, self.dtype)(*vals)]
+        return [_convert_to(x, self.dtype) for x in bind(_returning(eqn, self.dtype), vals)]
 
     def _convert(self, eqn: Any, invals: list[Any]) -> list[Any]:
         (var,), (x,) = eqn.invars, invals
@@ -293,16 +331,17 @@ class Autocast(Hooks):
         labelled = zip(eqn.invars, equation.labels, strict=True)
         pinned = any(_declared_f32(v) and FLOAT32_RESULT in tag for v, tag in labelled)
         in_float32 = pinned or self._wide(eqn, equation.labels)
-        if not in_float32 and self._feeds(eqn):
-            # What a statistic, a softmax or a loss reads: in float32 where
-            # half precision could take it out of range or lose its input's
-            # range (a product, or a float32 argument, parameter or result
-            # read with a half value: a mask added to logits, a target).
+        if not in_float32:
+            # What a statistic or a loss reads is computed in float32 where
+            # half precision could take it out of range (a product, a
+            # square); what a softmax reads, also where it reads a float32
+            # argument, parameter or result with a half value (a mask added
+            # to logits).
             reads_float32 = any(
                 _declared_f32(v) and not is_literal(v) and _dtype(x) == _F32
                 for v, x in zip(eqn.invars, invals, strict=True)
             )
-            in_float32 = grows(eqn) or reads_float32
+            in_float32 = (self._feeds(eqn) and grows(eqn)) or (self._logits(eqn) and reads_float32)
         return bind(eqn, self.cast_inputs(eqn, invals, _F32 if in_float32 else self.dtype))
 
 
@@ -320,4 +359,5 @@ def has_products(closed: Any) -> bool:
 def rewrite(closed: Any, args: Sequence[Any], dtype: np.dtype) -> list[Any]:
     """The outputs of ``closed`` on ``args`` with each operation in the
     dtype its list gives it (``dtype`` the half precision)."""
-    return Interpreter(Autocast(dtype, feeds_float32(closed.jaxpr))).run(closed, args)
+    feeding, logits = feeds_float32(closed.jaxpr), feeds_float32(closed.jaxpr, SOFTMAX)
+    return Interpreter(Autocast(dtype, feeding, logits)).run(closed, args)
