@@ -79,13 +79,15 @@ def losses_to_train(growth_interval: int, lr: float) -> dict[str, tuple[Callable
 
 def product_dtypes(fn: Callable, *args: Any) -> dict[str, int]:
     """``{dtype name: count}`` of the matrix products (``dot_general``) in the
-    jaxpr of ``fn(*args)``, the bodies of the calls inside it included."""
+    jaxpr of ``fn(*args)``, the bodies of the calls inside it included, by
+    the dtype they multiply in (their operands': under autocast the logits'
+    product returns its float32 accumulation of float16 operands)."""
     counts: dict[str, int] = {}
 
     def walk(jaxpr: Any) -> None:
         for eqn in jaxpr.eqns:
             if eqn.primitive.name == "dot_general":
-                name = eqn.outvars[0].aval.dtype.name
+                name = eqn.invars[0].aval.dtype.name
                 counts[name] = counts.get(name, 0) + 1
             for param in eqn.params.values():
                 for sub in param if isinstance(param, tuple | list) else (param,):
@@ -208,7 +210,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         "wall_s": time.perf_counter() - wall,
     }
     for label, counts in dtypes.items():
-        print(f"{label}: matrix products of a gradient step {counts}")
+        print(f"{label}: matrix products of a gradient step, by the dtype they multiply in: {counts}")
     _common.print_table(runs, COLUMNS, first="run")
     print(summary)
     print(f"total wall time {results['wall_s']:.0f} s")

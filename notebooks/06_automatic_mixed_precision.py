@@ -122,7 +122,11 @@ print("gradient dtypes:", {g.dtype.name for g in jax.tree.leaves(jax.grad(f16_lo
 #
 # `jax.make_jaxpr` of the autocast function shows the program it runs. The helper below walks
 # it (into the bodies of jitted calls such as `jax.nn.log_softmax`) and counts the operations
-# by primitive and output dtype. The three products are float16; `exp`, `log`, the sums and
+# by primitive and output dtype. The three products read float16 operands; two return
+# float16, and the logits' product, which the log-softmax reads, returns its float32
+# accumulation (it runs inside a small `custom_jvp` function, the `custom_jvp_call` row, whose
+# derivative runs its products in float16, as a hand-cast `(h @ w).astype(float32)` does).
+# `exp`, `log`, the sums and
 # `rsqrt` are float32; `convert_element_type` rows are the casts autocast inserted where a
 # float32 value is read by a float16 operation, or the reverse. The gelus' `tanh` and
 # `integer_pow` are float32 too: they read a layer norm's output, a value computed in float32,
@@ -155,7 +159,8 @@ for name, dtypes in dtype_counts(f16_loss, params0, x, y).items():
 
 # %% [markdown]
 # The backward pass is JAX's derivative of that program: each product's transposes are float16
-# products too, and the parameters' gradients come back to float32 through the casts.
+# products too (the one float32 result is the logits' forward product), and the parameters'
+# gradients come back to float32 through the casts.
 
 # %%
 print("forward products: ", dtype_counts(f16_loss, params0, x, y)["dot_general"])
