@@ -252,7 +252,9 @@ def _eigh_inverse_root(s, g):
 
 
 def _svd_inverse_root(s, g):
-    u, w, vt = jnp.linalg.svd(s)
+    # full_matrices=False: the square matrix's decomposition either way,
+    # and jax before 0.9 differentiates only the reduced one.
+    u, w, vt = jnp.linalg.svd(s, full_matrices=False)
     return (u * (w**-0.5)[None, :]) @ vt @ g
 
 
