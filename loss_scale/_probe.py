@@ -32,14 +32,24 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from loss_scale._jaxpr import Equation, Frame, Hooks, Interpreter, Labels, Mode, bodies, structure_of, walk
+from loss_scale._jaxpr import (
+    CUSTOM_RULES,
+    Equation,
+    Frame,
+    Hooks,
+    Interpreter,
+    Labels,
+    Mode,
+    bodies,
+    structure_of,
+    walk,
+)
 from loss_scale._sharding import vary_along, varying_axes
 
 # Calls whose body is evaluated in place (its equations are probed one by
 # one). A custom_jvp/custom_vjp call is kept whole: entering it would drop
 # its rule, and the derivatives would then be those of its body.
 _ENTERED = frozenset({"pjit", "jit", "closed_call", "core_call", "checkpoint", "remat2"})
-_CUSTOM = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 
 
 class Site(NamedTuple):
@@ -211,7 +221,7 @@ def _single_operation(eqn: Any) -> str | None:
     operation (``ls.autocast``'s logits product, which returns float32 and
     differentiates in half precision): its row is that operation's, and
     keeping it whole hides nothing. None for anything else."""
-    if eqn.primitive.name not in _CUSTOM:
+    if eqn.primitive.name not in CUSTOM_RULES:
         return None
     found = bodies(eqn)
     inside = [e for body in found for _, e in walk(body.jaxpr)]

@@ -73,6 +73,7 @@ import numpy as np
 import optax
 
 from loss_scale._jaxpr import NO_LABELS, Equation, Frame, Hooks, Interpreter, Mode, equations, is_literal, structure_of
+from loss_scale._jaxpr._structured import CUSTOM_RULES
 from loss_scale._sharding import match_varying
 from loss_scale._trees import first_difference
 from loss_scale._unscale import is_float_leaf
@@ -125,11 +126,6 @@ FINITE = frozenset(
     axis_index random_bits random_fold_in random_seed random_split random_unwrap random_wrap threefry2x32
     """.split()  # noqa: SIM905 - a table of names, read as words
 )
-
-# Calls the engine can enter that the select path does not: inline, a
-# ``custom_jvp``/``custom_vjp`` function's derivative would be its body's
-# instead of its rule's.
-_CUSTOM_RULES = frozenset({"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
 
 
 class _Unknown(Exception):
@@ -340,7 +336,7 @@ class _SelectPath(Hooks):
         # guard the operations inside; anything else on a suspect value
         # (control flow, a custom rule, a custom_linear_solve) is unknown.
         structure = structure_of(eqn)
-        if structure is not None and Mode.ENTER in structure.modes and eqn.primitive.name not in _CUSTOM_RULES:
+        if structure is not None and Mode.ENTER in structure.modes and eqn.primitive.name not in CUSTOM_RULES:
             return Mode.ENTER
         raise _Unknown(eqn.primitive.name)
 

@@ -39,6 +39,7 @@ from loss_scale._autocast._lists import (
     SOFTMAX,
 )
 from loss_scale._jaxpr import (
+    CUSTOM_RULES,
     NO_LABELS,
     Equation,
     Frame,
@@ -63,7 +64,7 @@ _BEYOND: Labels = frozenset({BEYOND_HALF})
 # iteration or branch, and a custom rule reads and returns the declared
 # types. A jitted call, a checkpoint and a shard_map are traced again
 # around whatever dtypes reach them.
-_AT_DECLARED = frozenset({"cond", "scan", "while", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"})
+_AT_DECLARED = frozenset({"cond", "scan", "while"}) | CUSTOM_RULES
 
 
 def _float32(dtype: Any) -> bool:
@@ -337,11 +338,13 @@ class Autocast(Hooks):
             # square); what a softmax reads, also where it reads a float32
             # argument, parameter or result with a half value (a mask added
             # to logits).
-            reads_float32 = any(
-                _declared_f32(v) and not is_literal(v) and _dtype(x) == _F32
-                for v, x in zip(eqn.invars, invals, strict=True)
+            in_float32 = (self._feeds(eqn) and grows(eqn)) or (
+                self._logits(eqn)
+                and any(
+                    _declared_f32(v) and not is_literal(v) and _dtype(x) == _F32
+                    for v, x in zip(eqn.invars, invals, strict=True)
+                )
             )
-            in_float32 = (self._feeds(eqn) and grows(eqn)) or (self._logits(eqn) and reads_float32)
         return bind(eqn, self.cast_inputs(eqn, invals, _F32 if in_float32 else self.dtype))
 
 

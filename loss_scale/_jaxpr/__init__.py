@@ -125,9 +125,10 @@ equation: ``tests/test_engine_walkers.py``):
 from loss_scale._jaxpr._compat import bind, closed_parts, equations, is_dropped, is_literal, sub_jaxprs, walk
 from loss_scale._jaxpr._hooks import NO_LABELS, Equation, Frame, Hooks, Labels, Mode
 from loss_scale._jaxpr._interpreter import Interpreter
-from loss_scale._jaxpr._structured import TABLE, Body, Structure, bodies, structure_of
+from loss_scale._jaxpr._structured import CUSTOM_RULES, TABLE, Body, Structure, bodies, structure_of
 
 __all__ = [
+    "CUSTOM_RULES",
     "NO_LABELS",
     "TABLE",
     "Body",

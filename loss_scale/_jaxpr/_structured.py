@@ -314,6 +314,11 @@ TABLE: dict[str, Structure] = {
     "shard_map": Structure(_KEEP_REBUILD, _call_labels, _rebuild_shard_map),
 }
 
+# The calls of functions with their own derivative rule (``jax.custom_jvp``,
+# ``jax.custom_vjp``): entering one evaluates its body, whose derivatives
+# are the body's, not the rule's.
+CUSTOM_RULES = frozenset(name for name, structure in TABLE.items() if structure is _CUSTOM)
+
 
 @dataclasses.dataclass(frozen=True)
 class Body:
