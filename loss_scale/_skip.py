@@ -104,6 +104,7 @@ GUARDED: Mapping[str, tuple[tuple[int, ...], float]] = {
     "erf_inv": ((0,), 0.0),
     "lgamma": ((0,), 1.0),
     "digamma": ((0,), 1.0),
+    "bitcast_convert_type": ((0,), 1.0),  # integer bits can be an infinity's or a NaN's
 }
 
 # Operations whose results and partial derivatives are finite on every

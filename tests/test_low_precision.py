@@ -138,6 +138,56 @@ def test_stochastic_rounding_is_unbiased(dtype, fraction):
     assert abs(error.mean()) < 6 * sigma
 
 
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_stochastic_rounding_matches_a_float64_reference_bit_for_bit(dtype):
+    # Given the random word, the rounding is decided: with d = 23 - mantissa
+    # dropped bits and offset = the word's top d bits, |x| goes to the upper
+    # neighbour exactly when offset + fraction * 2**d >= 2**d, fraction being
+    # |x|'s distance above the lower neighbour over the gap. The reference
+    # finds the neighbours in float64 from the exponent (float16's grid fixed
+    # at 2**-24 below its normals, where x is drawn on a 2**-37 grid so that
+    # the fraction has at most d bits), both signs, 2**-30 to 2**14.
+    n, mantissa = 1 << 15, {BF16: 7, F16: 10}[dtype]
+    dropped = 23 - mantissa
+    rng = np.random.default_rng(11)
+    x = rng.uniform(1, 2, n) * 2.0 ** rng.integers(-30, 15, n) * rng.choice([-1, 1], n)
+    x = np.where(np.abs(x) < 2.0**-14, np.round(x * 2.0**37) * 2.0**-37, x).astype(np.float32)
+    words = rng.integers(0, 2**32, n, dtype=np.uint64).astype(np.uint32)
+    got = np.asarray(round_stochastic(jnp.asarray(x), dtype, jnp.asarray(words)), np.float64)
+
+    magnitude = np.abs(x.astype(np.float64))
+    gap = 2.0 ** (np.floor(np.log2(magnitude)) - mantissa)
+    if dtype == F16:
+        gap = np.maximum(gap, 2.0**-24)
+    lower = np.floor(magnitude / gap) * gap
+    fraction = (magnitude - lower) / gap
+    offset = (words >> (32 - dropped)).astype(np.float64)
+    up = offset + fraction * 2.0**dropped >= 2.0**dropped
+    want = np.sign(x) * (lower + up * gap)
+    assert np.array_equal(got, want), np.flatnonzero(got != want)[:5]
+    assert 0.3 < up.mean() < 0.7  # both neighbours are taken
+
+
+@pytest.mark.parametrize("dtype", [BF16, F16])
+def test_stochastic_rounding_keeps_nans_infinities_and_signed_zeros_whatever_the_bits(dtype):
+    # Every word, the largest included (which would carry a NaN's full
+    # payload into its sign bit, or an infinity's exponent into the next).
+    specials = [np.inf, -np.inf, 0.0, -0.0, *(np.uint32([0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001]).view(np.float32))]
+    x = jnp.asarray(np.repeat(np.float32(specials), 4))
+    words = jnp.asarray(np.tile(np.uint32([0, 1, 0x7FFFFFFF, 0xFFFFFFFF]), len(specials)))
+    out = np.asarray(round_stochastic(x, dtype, words), np.float32).reshape(len(specials), 4)
+    assert np.all(out[0] == np.inf) and np.all(out[1] == -np.inf)
+    assert np.all(out[2] == 0) and not np.any(np.signbit(out[2]))
+    assert np.all(out[3] == 0) and np.all(np.signbit(out[3]))
+    assert np.all(np.isnan(out[4:]))
+    biggest = float(jnp.finfo(dtype).max)
+    last_gap = biggest - float(jnp.nextafter(jnp.asarray(biggest, dtype), jnp.asarray(0, dtype)))
+    near_max = jnp.full(4096, biggest + last_gap / 4, F32)  # a quarter of a gap above the largest value
+    rounded = np.asarray(round_stochastic(near_max, dtype, random_bits(jnp.array([3, 4], jnp.uint32), (4096,))))
+    assert set(np.unique(rounded.astype(np.float32))) == {biggest, np.inf}
+    assert abs(np.isinf(rounded).mean() - 0.25) < 0.05
+
+
 def test_stochastic_rounding_of_exact_special_and_overflowing_values():
     bits = random_bits(jnp.array([7, 9], jnp.uint32), (6,))
     x = jnp.array([1.0, 0.0, -0.0, jnp.inf, jnp.nan, 70000.0], F32)
@@ -162,6 +212,27 @@ def test_random_bits_are_uniform_and_differ_by_seed():
     # The same bits whatever the array's shape: they number its elements in order.
     reshaped = np.asarray(random_bits(jnp.array([0, 0], jnp.uint32), (256, 256)))
     np.testing.assert_array_equal(reshaped.reshape(-1), bits)
+
+
+def test_random_bits_are_uncorrelated_between_elements_and_streams():
+    # What rounding reads (the top 16 bits, and the top bit alone: the
+    # decision at a fraction of one half) is uncorrelated between
+    # neighbours, between rows of a matrix, and between the streams of two
+    # leaves (seeds from jax.random, as the transformation draws them):
+    # correlations within six standard deviations of zero.
+    n = 1 << 18
+    seeds = np.asarray(jax.random.key_data(jax.random.split(jax.random.PRNGKey(0), 3)))
+    streams = [np.asarray(random_bits(jnp.asarray(seed), (n,))) for seed in seeds]
+    limit = 6 / np.sqrt(n)
+    for bits in streams:
+        top16, top1 = (bits >> 16).astype(np.float64), (bits >> 31).astype(np.float64)
+        for lag in (1, 2, 512, 4096):
+            for top in (top16, top1):
+                assert abs(np.corrcoef(top[:-lag], top[lag:])[0, 1]) < limit, lag
+    for a, b in [(0, 1), (0, 2), (1, 2)]:
+        for shift in (16, 31):
+            x, y = (streams[a] >> shift).astype(np.float64), (streams[b] >> shift).astype(np.float64)
+            assert abs(np.corrcoef(x, y)[0, 1]) < limit, (a, b, shift)
 
 
 # ---------------------------------------------------------------------------
@@ -333,6 +404,33 @@ def test_moments_are_found_where_the_params_structure_is():
     before = jax.tree.map(lambda x: x.dtype, state)
     _, after = train(tx, params, steps=2)
     assert jax.tree.map(lambda x: x.dtype, after) == before
+
+
+@pytest.mark.parametrize("state_dtype", [BF16, F16])
+@pytest.mark.parametrize("rounding", ["kahan", "stochastic"])
+def test_moments_of_one_parameter_round_independently(rounding, state_dtype):
+    # Three moments of one parameter, all equal to the gradient (two traces
+    # and adam's mu with decays of 0), halfway between two neighbours in the
+    # state's dtype: each rounds up half of the time, and any two agree half
+    # of the time (each reads a random stream of its own), six standard
+    # deviations of margin.
+    n = 2**14
+    tx = ls.low_precision(
+        optax.chain(optax.trace(0.0), optax.trace(0.0), optax.scale_by_adam(b1=0.0)), rounding, state_dtype=state_dtype
+    )
+    params = jnp.ones(n, BF16)
+    rng = np.random.default_rng(5)
+    base = np.asarray(jnp.asarray(rng.uniform(1, 2, n) * rng.choice([-1, 1], n), state_dtype), np.float64)
+    gap = 2.0 ** -{BF16: 7, F16: 10}[state_dtype]
+    grads = jnp.asarray(base + np.sign(base) * gap / 2, F32)
+    _, state = jax.jit(tx.update)(grads, tx.init(params), params)
+    moments = [state.inner_state[0].trace, state.inner_state[1].trace, state.inner_state[2].mu]
+    ups = [np.asarray(m, np.float64) != base for m in moments]
+    sigma = 0.5 / np.sqrt(n)
+    for up in ups:
+        assert abs(up.mean() - 0.5) < 6 * sigma
+    for a, b in [(0, 1), (0, 2), (1, 2)]:
+        assert abs((ups[a] == ups[b]).mean() - 0.5) < 6 * sigma, (a, b)
 
 
 # ---------------------------------------------------------------------------

@@ -77,10 +77,11 @@ def test_a_skipped_step_keeps_params_compensation_key_and_inner_state(rounding, 
 
 @pytest.mark.parametrize("rounding", ["kahan", "stochastic", "nearest"])
 def test_loss_scaling_skips_without_a_branch_and_without_a_nan(rounding):
-    # Every operation of the rounding is finite on finite operands, so
-    # ls.dynamic's select path keeps the update (no lax.cond, which would
-    # make XLA materialize every operand), and a skipped step, which runs it
-    # on zeroed gradients, computes nothing non-finite (jax_debug_nans).
+    # Every operation of the rounding is finite on finite operands or, as
+    # its bit casts, guarded, so ls.dynamic's select path keeps the update
+    # (no lax.cond, which would make XLA materialize every operand), and a
+    # skipped step, which runs it on zeroed gradients, computes nothing
+    # non-finite (jax_debug_nans).
     tx = make_tx(rounding)
     params = make_params(F16)
     state = tx.init(params)

@@ -1,10 +1,9 @@
 """Rounding a float32 value to a narrower float: to nearest, stochastically,
 and with Kahan compensation, plus the random bits stochastic rounding reads.
 
-Everything here is elementwise and branch-free, written with operations
-that are finite on finite operands (no bit casts of values computed from the
-gradients), so that it fuses into the optimizer's own elementwise pass and
-``ls.dynamic``'s select path keeps it.
+Everything here is elementwise and branch-free, so that it fuses into the
+optimizer's own elementwise pass, and is made of operations that
+``ls.dynamic``'s select path keeps (its bit casts are ``GUARDED`` there).
 
 Exactness of the updates. A new parameter ``q`` is always one of the two
 values of the parameter's dtype next to ``x = float32(p) + y`` (``y`` a
@@ -49,29 +48,39 @@ def _mix(x: jax.Array) -> jax.Array:
     return x ^ (x >> 16)
 
 
+# The golden ratio's 32-bit step (odd: i * it is a bijection of uint32).
+_GOLDEN = 0x9E3779B9
+
+
 def random_bits(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     """uint32 random bits of ``shape`` from ``seed`` (uint32[2], one stream).
 
-    A counter-based generator: element ``i`` (in row-major order) gets
-    ``mix(mix(i ^ seed[0]) + seed[1])``. It depends on the element's index
-    and the seed alone, so the bits are the same on every device and under
-    every sharding of the array, and cost a dozen integer operations per
-    element (a threefry hash per element costs about eight times that,
-    which would dominate the optimizer step on a CPU). The seeds themselves
-    come from ``jax.random`` (threefry), one per leaf and step.
+    A counter-based generator in the manner of SplitMix: element ``i`` (in
+    row-major order) gets ``mix(i * 0x9E3779B9 + seed[0]) ^ seed[1]``, one
+    bijective hash of a Weyl sequence. With a uniform seed each element's
+    bits are exactly uniform (the hash is a bijection), which is all that
+    stochastic rounding's unbiasedness needs; across elements the hash's
+    avalanche decorrelates them. They depend on the element's index and the
+    seed alone, so the bits are the same on every device and under every
+    sharding of the array. Cost: eight integer operations per element,
+    recomputed in every loop that rounds a leaf (XLA:CPU fuses each output
+    on its own): a second round of the hash showed as 0.03 to 0.06 of an
+    update-bound training step, and a threefry hash per element costs about
+    eight times as much. The seeds themselves come from ``jax.random``
+    (threefry), one per leaf and step.
     """
     size = int(np.prod(shape, dtype=np.int64))
     if size >= 2**32:
         raise ValueError(f"stochastic rounding numbers the elements of a leaf in uint32: {shape} has too many")
     index = jax.lax.iota(jnp.uint32, size).reshape(shape)
-    return _mix(_mix(index ^ seed[0]) + seed[1])
+    return _mix(index * jnp.uint32(_GOLDEN) + seed[0]) ^ seed[1]
 
 
-# Per rounded dtype: its explicit mantissa bits, and its smallest gap
-# between neighbours (float16's subnormals are multiples of 2**-24;
-# bfloat16's, below float32's smallest normal, are flushed to zero by
-# float32 arithmetic on most hardware anyway, so its grid stops at 2**-126).
-_FORMATS = {jnp.dtype(jnp.bfloat16): (7, 2.0**-126), jnp.dtype(jnp.float16): (10, 2.0**-24)}
+# Per rounded dtype: its explicit mantissa bits.
+_MANTISSA_BITS = {jnp.dtype(jnp.bfloat16): 7, jnp.dtype(jnp.float16): 10}
+
+# float16's subnormals: below its smallest normal the grid is fixed, 2**-24.
+_F16_SMALLEST_NORMAL, _F16_SUBNORMAL_GAP = 2.0**-14, 2.0**-24
 
 
 def round_nearest(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
@@ -80,51 +89,48 @@ def round_nearest(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     return x.astype(dtype)
 
 
-def _power_of_two_below(magnitude: jax.Array) -> jax.Array:
-    """The largest power of two <= ``magnitude`` (float32, >= 0, finite),
-    0 for 0: rounded to one significant bit it is that power or the next
-    one, halved where it went up. Computed on half the magnitude, whose
-    rounding up cannot overflow, and doubled (exact)."""
-    half = magnitude * np.float32(0.5)
-    power = jax.lax.reduce_precision(half, exponent_bits=8, mantissa_bits=0)
-    return jnp.where(power > half, power * np.float32(0.5), power) * np.float32(2.0)
-
-
 def round_stochastic(x: jax.Array, dtype: jnp.dtype, bits: jax.Array) -> jax.Array:
     """``x`` (float32) rounded to one of its two neighbours in ``dtype``
     (bfloat16 or float16), the upper one (in magnitude) with probability
     ``distance to the lower / gap``: the expected result is ``x`` itself.
 
-    ``|x| / gap`` (``gap`` between the neighbours, a power of two: the
-    division is exact) has at most ``23 - mantissa`` fractional bits; adding
-    a uniform of exactly that many bits and taking the floor rounds up with
-    exactly that probability, with no float32 rounding anywhere (below
-    float16's normals, where ``|x| / gap`` can have more fractional bits,
-    within 2**-13 of it). Float arithmetic only, no bit casts: every
-    operation is finite on finite operands (or a division by the gap, a
-    nonzero power of two), so ``ls.dynamic``'s select path keeps it, and XLA
-    fuses the computation of ``x`` into it instead of keeping ``x`` in a
-    float32 buffer.
+    On the bits: a neighbour in ``dtype`` is a float32 whose low ``23 -
+    mantissa`` bits are zero. Adding a uniform integer of that many bits to
+    ``x``'s bits and clearing them carries into the kept bits (rounding away
+    from zero; a carry out of the mantissa steps the exponent) with
+    probability exactly ``(low bits) / 2**(23 - mantissa)``, the distance to
+    the lower neighbour over the gap: unbiased, no float32 rounding
+    anywhere, and five operations per element with the NaN check (a float
+    formulation that finds the gap from the magnitude costs about twenty,
+    which showed as a fifth of an update-bound training step on a CPU,
+    ``benchmarks/low_precision.py --parts cost``). Below float16's
+    smallest normal its grid is fixed (2**-24, coarser than ten mantissa
+    bits there): ``floor(|x| / 2**-24 + uniform)``, exact within 2**-13 of a
+    gap. bfloat16's subnormals are float32's with the low half cleared, so
+    the bits give them too (where the hardware keeps float32 subnormals).
 
     Values beyond the dtype's range become infinities, as in rounding to
     nearest (within one gap below it, with the probability of rounding up);
-    infinities and NaNs stay what they are. A float32 or wider ``dtype`` is
-    a cast.
+    zeros, infinities and NaNs stay what they are (a NaN is selected back:
+    its payload could carry into the sign). The bit casts have derivative
+    zero, as rounding has; ``ls.dynamic``'s select path guards them
+    (``GUARDED`` in ``_skip.py``). A float32 or wider ``dtype`` is a cast.
     """
     dtype = jnp.dtype(dtype)
     if dtype.itemsize >= 4:
         return x.astype(dtype)
-    mantissa, smallest_gap = _FORMATS[dtype]
-    magnitude = jnp.abs(x)
-    finite = jnp.isfinite(x)
-    safe = jnp.where(finite, magnitude, np.float32(0.0))
-    gap = jnp.maximum(_power_of_two_below(safe) * np.float32(2.0**-mantissa), np.float32(smallest_gap))
-    fraction_bits = 23 - mantissa
-    uniform = (bits >> (32 - fraction_bits)).astype(jnp.float32) * np.float32(2.0**-fraction_bits)
-    rounded = jnp.floor(safe / gap + uniform) * gap
-    # Zeros (of either sign), infinities and NaNs are their own rounding.
-    rounded = jnp.where(finite & (x != 0), jnp.where(x < 0, -rounded, rounded), x)
-    return rounded.astype(dtype)
+    dropped = 23 - _MANTISSA_BITS[dtype]
+    offset = bits >> (32 - dropped)
+    kept = jnp.uint32((0xFFFFFFFF << dropped) & 0xFFFFFFFF)
+    carried = (jax.lax.bitcast_convert_type(x, jnp.uint32) + offset) & kept
+    rounded = jax.lax.bitcast_convert_type(carried, jnp.float32)
+    if dtype == jnp.dtype(jnp.float16):
+        magnitude = jnp.abs(x)
+        uniform = offset.astype(jnp.float32) * np.float32(2.0**-dropped)
+        fixed = jnp.floor(magnitude * np.float32(1 / _F16_SUBNORMAL_GAP) + uniform) * np.float32(_F16_SUBNORMAL_GAP)
+        below = (magnitude < np.float32(_F16_SMALLEST_NORMAL)) & (x != 0)
+        rounded = jnp.where(below, jnp.where(x < 0, -fixed, fixed), rounded)
+    return jnp.where(x != x, x, rounded).astype(dtype)
 
 
 def update_nearest(p: jax.Array, delta: jax.Array) -> jax.Array:
