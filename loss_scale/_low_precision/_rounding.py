@@ -76,13 +76,6 @@ def random_bits(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
     return _mix(index * jnp.uint32(_GOLDEN) + seed[0]) ^ seed[1]
 
 
-# Per rounded dtype: its explicit mantissa bits.
-_MANTISSA_BITS = {jnp.dtype(jnp.bfloat16): 7, jnp.dtype(jnp.float16): 10}
-
-# float16's subnormals: below its smallest normal the grid is fixed, 2**-24.
-_F16_SMALLEST_NORMAL, _F16_SUBNORMAL_GAP = 2.0**-14, 2.0**-24
-
-
 def round_nearest(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """``x`` rounded to the nearest value of ``dtype`` (ties to even), as
     ``astype`` does."""
@@ -119,16 +112,18 @@ def round_stochastic(x: jax.Array, dtype: jnp.dtype, bits: jax.Array) -> jax.Arr
     dtype = jnp.dtype(dtype)
     if dtype.itemsize >= 4:
         return x.astype(dtype)
-    dropped = 23 - _MANTISSA_BITS[dtype]
+    finfo = jnp.finfo(dtype)
+    dropped = 23 - finfo.nmant
     offset = bits >> (32 - dropped)
     kept = jnp.uint32((0xFFFFFFFF << dropped) & 0xFFFFFFFF)
     carried = (jax.lax.bitcast_convert_type(x, jnp.uint32) + offset) & kept
     rounded = jax.lax.bitcast_convert_type(carried, jnp.float32)
-    if dtype == jnp.dtype(jnp.float16):
+    if finfo.minexp > jnp.finfo(jnp.float32).minexp:  # a narrower exponent than float32 (float16): a fixed grid below
+        smallest_normal, step = np.float32(finfo.smallest_normal), np.float32(finfo.smallest_subnormal)
         magnitude = jnp.abs(x)
         uniform = offset.astype(jnp.float32) * np.float32(2.0**-dropped)
-        fixed = jnp.floor(magnitude * np.float32(1 / _F16_SUBNORMAL_GAP) + uniform) * np.float32(_F16_SUBNORMAL_GAP)
-        below = (magnitude < np.float32(_F16_SMALLEST_NORMAL)) & (x != 0)
+        fixed = jnp.floor(magnitude * (1 / step) + uniform) * step  # powers of two: exact
+        below = (magnitude < smallest_normal) & (x != 0)
         rounded = jnp.where(below, jnp.where(x < 0, -fixed, fixed), rounded)
     return jnp.where(x != x, x, rounded).astype(dtype)
 
