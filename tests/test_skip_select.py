@@ -34,6 +34,7 @@ from jax.experimental import checkify
 
 import loss_scale as ls
 from loss_scale._jaxpr import sub_jaxprs
+from loss_scale._low_precision._rounding import random_bits, round_stochastic
 from tests._compare import assert_trees_bitwise, assert_trees_close
 from tests.test_composition_optimizers import (
     OPTIMIZERS,
@@ -339,8 +340,25 @@ def sorted_and_poles():
     return optax.GradientTransformation(init, update)
 
 
+def bit_rounded_momentum():
+    """Momentum kept on bfloat16's grid by stochastic rounding on its
+    float32 bits (``ls.low_precision``'s rounding of stored moments): bit
+    casts, which the select path guards."""
+
+    def rounded(m, g):
+        new = 0.9 * m + g
+        return round_stochastic(new, jnp.bfloat16, random_bits(jnp.array([1, 2], jnp.uint32), new.shape))
+
+    def update(grads, state, params=None):
+        del params
+        state = jax.tree.map(lambda m, g: rounded(m, g).astype(m.dtype), state, grads)
+        return jax.tree.map(lambda m: -LR * m, state), state
+
+    return optax.GradientTransformation(lambda p: jax.tree.map(jnp.zeros_like, p), update)
+
+
 # Inner updates of the select path beyond the zoo: operations it knows.
-KNOWN = {"sort_and_poles": lambda lr: sorted_and_poles()}
+KNOWN = {"sort_and_poles": lambda lr: sorted_and_poles(), "bit_rounded_momentum": lambda lr: bit_rounded_momentum()}
 UNKNOWN = {
     "solve": lambda lr: preconditioned(jnp.linalg.solve),
     "cholesky": lambda lr: preconditioned(_cholesky),
