@@ -192,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.repeats,
         args.width,
         args.fused,
-        timing.QUICK_COMPILER_OPTIONS if args.quick else None,
+        timing.quick_compiler_options() if args.quick else None,
     )
     wall_s = time.perf_counter() - start
     step = "ls.apply_gradients" if args.fused else "tx.update + optax.apply_updates"

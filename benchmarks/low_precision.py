@@ -254,7 +254,7 @@ def compile_step(step: Callable, args: Sequence[Any], quick: bool) -> Any:
     """The step compiled with params and state donated; a smoke run asks
     XLA:CPU to optimize less (its compile dominates a smoke run)."""
     lowered = jax.jit(step, donate_argnums=(0, 1)).lower(*args)
-    return lowered.compile(timing.QUICK_COMPILER_OPTIONS if quick and jax.default_backend() == "cpu" else None)
+    return lowered.compile(timing.quick_compiler_options() if quick and jax.default_backend() == "cpu" else None)
 
 
 def train(workload: Workload, setup: Setup, steps: int, lr: float, quick: bool = False) -> dict[str, Any]:

@@ -369,7 +369,7 @@ def run_here(args: argparse.Namespace, argv: Sequence[str] | None) -> dict[str, 
                 args.rounds,
                 args.warmup,
                 hlo_dir=args.dump_hlo,
-                compiler_options=timing.QUICK_COMPILER_OPTIONS if args.quick else None,
+                compiler_options=timing.quick_compiler_options() if args.quick else None,
                 warm_tracing=not args.quick,
             )
             result["wall_s"] = time.perf_counter() - start

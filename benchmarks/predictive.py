@@ -579,7 +579,7 @@ def timing_results(rounds: int, warmup: int, block: int, quick: bool) -> dict[st
         for _, step in steps:
             fn, times = timing.compile_timed(
                 step, (params, opt_state, batches[0]), donate_argnums=(0, 1),
-                compiler_options=timing.QUICK_COMPILER_OPTIONS if quick else None,
+                compiler_options=timing.quick_compiler_options() if quick else None,
             )  # fmt: skip
             compiled[name].append(fn)
             compile_s[name] += times.total_s

@@ -11,7 +11,7 @@ Examples:
 from loss_scale import presets
 from loss_scale._autocast import autocast, full_precision
 from loss_scale._check import all_finite
-from loss_scale._errors import Float16StateWarning, SkippedStepsError, check_skips
+from loss_scale._errors import Float16StateWarning, FullPrecisionParamsWarning, SkippedStepsError, check_skips
 from loss_scale._factories import dynamic, no_op, predictive, static
 from loss_scale._find import find_state
 from loss_scale._fused import apply_gradients
@@ -31,6 +31,7 @@ __version__ = "0.3.0"
 
 __all__ = [
     "Float16StateWarning",
+    "FullPrecisionParamsWarning",
     "LossScaleState",
     "LossScaleTransformation",
     "LowPrecisionState",

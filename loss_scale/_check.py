@@ -14,9 +14,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from loss_scale._grid import nearest_on_grid
 from loss_scale._sharding import axis_names, varying_axes
 from loss_scale._types import AxisName, PyTree
-from loss_scale._unscale import is_float_leaf, unscale_dtype, unscale_leaf
+from loss_scale._unscale import is_float_leaf, unscale_dtype, unscale_leaf, unscaled_value
 
 
 def _magnitude(x: jax.Array) -> jax.Array:
@@ -248,8 +249,12 @@ def gradient_stats(
                 ]
             sums[batch.sharded].append(jnp.stack(row))
     order, flags, maxima = [], [], []
-    for items in groups.values():
-        unscaled = unscale_leaf(jnp.concatenate([peak for _, peak, _ in items]), scale)
+    for dtype, items in groups.items():
+        # The peaks unscaled as the elements are, and rounded to their dtype
+        # on its grid in at least float32 (``_grid``: a cast round trip
+        # would not round on a GPU, and a half gradient that overflows
+        # there once unscaled would pass as finite).
+        unscaled = nearest_on_grid(unscaled_value(jnp.concatenate([peak for _, peak, _ in items]), scale), dtype)
         finite = jnp.concatenate([finite for _, _, finite in items]) & jnp.isfinite(unscaled)
         order += [i for indices, _, _ in items for i in indices]
         flags.append(finite)

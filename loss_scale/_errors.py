@@ -1,6 +1,7 @@
-"""The warning and the error that the update can raise: float16 optimizer
-state, and a run of skipped steps longer than the user allows (checked in
-the update, or on the host with ``check_skips``)."""
+"""The warnings and the error that the update can raise: float16 optimizer
+state, ``ls.low_precision`` given no half-precision parameter, and a run of
+skipped steps longer than the user allows (checked in the update, or on the
+host with ``check_skips``)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,45 @@ class Float16StateWarning(UserWarning):
       >>> str(caught[0].message)[:58]
       "the optimizer state has float16 leaves ([0].mu['w'], [0].n"
     """
+
+
+class FullPrecisionParamsWarning(UserWarning):
+    """``ls.low_precision`` was given no bfloat16 or float16 parameter.
+
+    Warned by its ``init``: every leaf is then updated exactly as the inner
+    optimizer alone updates it, in its own (wider) dtype, and nothing is
+    saved. The usual cause is a forgotten cast of the params to bfloat16
+    before ``tx.init``. Filter it where float32 params are meant (a
+    comparison run).
+
+    Examples:
+      >>> import warnings
+      >>> import jax.numpy as jnp, optax, loss_scale as ls
+      >>> with warnings.catch_warnings(record=True) as caught:
+      ...     warnings.simplefilter("always")
+      ...     _ = ls.low_precision(optax.adam(1e-3)).init({"w": jnp.zeros(2, jnp.float32)})
+      >>> [w.category.__name__ for w in caught]
+      ['FullPrecisionParamsWarning']
+    """
+
+
+def warn_about_full_precision_params(params: PyTree) -> None:
+    """A ``FullPrecisionParamsWarning`` when ``params`` has floating leaves
+    and none of them is bfloat16 or float16."""
+    dtypes = {
+        jnp.dtype(leaf.dtype)
+        for leaf in jax.tree.leaves(params)
+        if hasattr(leaf, "dtype") and jnp.issubdtype(leaf.dtype, jnp.floating)
+    }
+    if dtypes and not dtypes & {jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)}:
+        shown = ", ".join(sorted(d.name for d in dtypes))
+        warnings.warn(
+            f"ls.low_precision was given no bfloat16 or float16 parameter (the params are {shown}): every "
+            "parameter is updated as the inner optimizer alone updates it and nothing is saved. Cast the params "
+            "before init, e.g. params = jax.tree.map(lambda p: p.astype(jnp.bfloat16), params).",
+            FullPrecisionParamsWarning,
+            stacklevel=3,
+        )
 
 
 def warn_about_float16_state(inner_state: optax.OptState) -> None:

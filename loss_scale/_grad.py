@@ -208,20 +208,20 @@ def _checked_loss(loss: Any) -> jax.Array:
     if loss is None:
         raise TypeError("Gradient only defined for scalar-output functions. Output was None.")
     loss = jnp.asarray(loss)
-    if loss.shape != ():
-        raise TypeError(f"Gradient only defined for scalar-output functions. Output had shape: {loss.shape}.")
-    if not jnp.issubdtype(loss.dtype, jnp.floating):
-        hint = (
-            "For holomorphic differentiation, pass holomorphic=True. For differentiation of non-holomorphic "
-            "functions involving complex outputs, use jax.vjp directly."
-            if jnp.issubdtype(loss.dtype, jnp.complexfloating)
-            else "For differentiation of functions with integer outputs, use jax.vjp directly."
-        )
-        raise TypeError(
-            "grad requires real-valued outputs (output dtype that is a sub-dtype of np.floating), "
-            f"but got {loss.dtype.name}. {hint}"
-        )
+    if loss.shape != () or not jnp.issubdtype(loss.dtype, jnp.floating):
+        raise _grad_error(loss.shape, loss.dtype)
     return loss.astype(unscale_dtype(loss.dtype))
+
+
+def _grad_error(shape: tuple[int, ...], dtype: Any) -> TypeError:
+    """The error ``jax.grad`` raises for a function whose output has this
+    shape and dtype, taken from ``jax.grad`` itself (abstractly: nothing
+    runs), so that its wording and hints are those of the jax installed."""
+    try:
+        jax.eval_shape(jax.grad(lambda _: jnp.zeros(shape, dtype)), jnp.float32(0))
+    except TypeError as error:
+        return TypeError(str(error))
+    return TypeError(f"loss of shape {shape} and dtype {dtype} is not a real floating scalar")  # pragma: no cover
 
 
 def _typed(axis_name: AxisName) -> bool:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from loss_scale._grid import round_to
 from loss_scale._types import PyTree
 
 
@@ -65,10 +66,12 @@ def unscaled_value(x: jax.Array, scale: jax.Array, factors: tuple[jax.Array, jax
 
 
 def unscale_leaf(x: jax.Array, scale: jax.Array) -> jax.Array:
-    """``x / scale`` computed in at least float32 and returned in ``x.dtype``."""
+    """``x / scale`` computed in at least float32 and returned in ``x.dtype``
+    (rounded there on every backend: an optimizer that widens a half
+    gradient reads the rounded value, ``_grid.round_to``)."""
     if not is_float_leaf(x):
         return x
-    return unscaled_value(x, scale).astype(x.dtype)
+    return round_to(unscaled_value(x, scale), x.dtype)
 
 
 def unscale_tree(tree: PyTree, scale: jax.Array, clip_factor: jax.Array | None = None) -> PyTree:
@@ -86,6 +89,6 @@ def unscale_tree(tree: PyTree, scale: jax.Array, clip_factor: jax.Array | None =
         value = unscaled_value(x, scale, factors[dtype])
         if clip_factor is not None:
             value = value * clip_factor.astype(dtype)
-        return value.astype(x.dtype)
+        return round_to(value, x.dtype)
 
     return jax.tree.map(leaf, tree)

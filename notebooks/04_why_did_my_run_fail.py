@@ -173,8 +173,8 @@ plot_runs(runs, "jnp.log(jax.nn.softmax(logits))")
 # %% [markdown]
 # The float32 run trains. The float16 run skips a step on its first batch, and then again and
 # again: every skip halves the scale, and after a while the scale is at its minimum, 1, and
-# (almost) every step still overflows (the crosses on the right). From then on nothing is applied: its
-# loss curve stops where the scale reached 1, above the float32 one, and stays there. The
+# steps still overflow there (the crosses on the right), more of them the longer it trains: the
+# scaler has nothing left to give. Its loss curve falls behind the float32 one. The
 # gradients that the scaler checks are those of the parameters, and they are all non-finite by
 # the time they reach it: the overflow happened somewhere inside the backward pass and
 # travelled back from there through every layer.
@@ -182,8 +182,9 @@ plot_runs(runs, "jnp.log(jax.nn.softmax(logits))")
 # ## Which operation overflows?
 #
 # `ls.range_report` runs the loss function once, forward and backward, on the failed model and
-# the batch of its last (skipped) step, at the scale the run is stuck at, with a float16
-# forward pass as in training. Each row is one value the loss function computes: where it
+# a batch on which it still overflows (the last such batch of the run, found with one jitted
+# check per batch), at the scale the run is stuck at, with a float16 forward pass as in
+# training. Each row is one value the loss function computes: where it
 # comes from (`jax.named_scope` names, then file:line and function), the primitive that
 # produced it, its forward `max |x|`, the `max |cotangent|` that reaches it in the backward
 # pass, the fractions of that cotangent that are 0 and below float16's smallest normal number,
@@ -193,8 +194,20 @@ plot_runs(runs, "jnp.log(jax.nn.softmax(logits))")
 
 # %%
 model, _ = runs["float16 + ls.dynamic"]
-context, targets = batches[-1]
-report = ls.range_report(textbook_loss, model, context, targets, scale=float(failed["scale"][-1]))
+scale = float(failed["scale"][-1])
+
+
+@nnx.jit
+def overflows(model, context, targets):
+    """Whether the float16 backward pass at `scale` gives a non-finite parameter gradient."""
+    grads = nnx.grad(lambda m: textbook_loss(m, context, targets).astype(jnp.float32) * scale)(model)
+    return jnp.logical_not(ls.all_finite(grads))
+
+
+last = next(i for i in reversed(range(STEPS)) if overflows(model, *batches[i]))
+context, targets = batches[last]
+print(f"the failed model overflows on the batch of step {last} (of {STEPS}) at scale {scale:g}")
+report = ls.range_report(textbook_loss, model, context, targets, scale=scale)
 print(report)
 first = report.overflowing[0]
 print("\nfirst to overflow:", first.primitive, "at", first.where, "| max safe scale:", report.max_safe_scale)

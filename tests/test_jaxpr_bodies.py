@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from jax import lax
 
-from loss_scale._jaxpr import NO_LABELS, Frame, Hooks, Interpreter, Mode, bodies, equations, structure_of
+from loss_scale._jaxpr import NO_LABELS, Frame, Hooks, Interpreter, Mode, bodies, equations, scan_params, structure_of
 
 A, B, C, D = jnp.ones(1), jnp.ones(2), jnp.ones(3), jnp.ones((5, 4))
 
@@ -73,7 +73,8 @@ def sliced(eqn: Any, var: Any, index: int, output: bool) -> Any:
     iteration at a time (without their leading axis)."""
     shape, dtype = aval(var)
     if eqn.primitive.name == "scan":
-        first = eqn.params["num_carry"] if output else eqn.params["num_consts"] + eqn.params["num_carry"]
+        scan = scan_params(eqn.params)
+        first = scan.num_carry if output else scan.num_consts + scan.num_carry
         if index >= first:
             return shape[1:], dtype
     return shape, dtype
@@ -97,7 +98,8 @@ def test_inputs_outputs_and_carries_have_the_shapes_of_what_they_connect(jaxpr):
 def test_a_loop_carry_comes_back_as_its_operand_and_nothing_else_does(jaxpr):
     by_name = {e.primitive.name: e for e in structured(jaxpr)}
     (scan,) = bodies(by_name["scan"])
-    n_consts, n_carry = by_name["scan"].params["num_consts"], by_name["scan"].params["num_carry"]
+    scan_eqn = scan_params(by_name["scan"].params)
+    n_consts, n_carry = scan_eqn.num_consts, scan_eqn.num_carry
     assert scan.feedback == tuple(n_consts + j for j in range(n_carry)) + (None,) * (len(scan.feedback) - n_carry)
     cond_body, loop_body = bodies(by_name["while"])
     assert cond_body.outputs == (None,) and cond_body.feedback == (None,)

@@ -29,6 +29,7 @@ from loss_scale._jaxpr import (
     Interpreter,
     Mode,
     closed_parts,
+    scan_params,
     structure_of,
     sub_jaxprs,
     walk,
@@ -533,7 +534,7 @@ def test_labels_of_every_variable_and_of_a_loop_body():
     eqn_tags = [every.get(v, NO_LABELS) for v in scan.invars]
     (body,) = interp.body_labels(scan, eqn_tags, Frame(), index)
     # b (a const of the body) reaches both carries through the loop.
-    n_consts = scan.params["num_consts"]
+    n_consts = scan_params(scan.params).num_consts
     assert body[n_consts:] == [frozenset({"a", "b"})] * 2
     with pytest.raises(ValueError, match="holds no jaxpr"):
         interp.body_labels(jaxpr.eqns[-1], [NO_LABELS, NO_LABELS], Frame())

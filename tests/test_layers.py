@@ -29,6 +29,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "_saturating",
         "_trees",
         "_sharding",
+        "_grid",
         "_unscale",
         "_check",
         "_validate",

@@ -489,6 +489,20 @@ def test_float16_state_warning_skips_the_compensation_buffer():
     assert "state_dtype=jnp.bfloat16" in message
 
 
+def test_params_without_a_half_precision_leaf_are_warned_about():
+    # The cast to bfloat16 forgotten: nothing would be rounded or saved.
+    with pytest.warns(
+        ls.FullPrecisionParamsWarning, match=r"no bfloat16 or float16 parameter \(the params are float32"
+    ):
+        ls.low_precision(optax.adam(1e-3)).init({"w": jnp.ones((4, 4)), "step": jnp.zeros((), jnp.int32)})
+    with pytest.warns(ls.FullPrecisionParamsWarning, match="astype"):  # under ls.dynamic too
+        ls.dynamic(ls.low_precision(optax.adam(1e-3))).init({"w": jnp.ones(3)})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ls.low_precision(optax.adam(1e-3)).init({"w": jnp.ones(3, BF16), "gain": jnp.ones(3)})  # one is enough
+        ls.low_precision(optax.adam(1e-3)).init({"count": jnp.zeros(3, jnp.int32)})  # nothing to update in float
+
+
 @pytest.mark.parametrize(
     ("call", "error", "match"),
     [

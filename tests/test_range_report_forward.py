@@ -358,6 +358,13 @@ def test_a_linen_batch_norm_with_axis_name():
     arguments = lambda r: {row.where: row.backward_max for row in r.rows if row.primitive == "argument"}  # noqa: E731
     got, want = arguments(report), arguments(plain)
     assert got.keys() == want.keys() and len(got) == 6
-    np.testing.assert_allclose([got[k] for k in want], list(want.values()), rtol=1e-5)
+    # Dense_0's bias has a gradient of exactly 0 in exact arithmetic (the
+    # norm subtracts the batch mean): what is left is rounding noise, whose
+    # size depends on how the program is fused (2x apart on jax 0.12 with
+    # and without the pmean), so it is compared within a millionth of the
+    # largest gradient.
+    atol = 1e-6 * max(want.values())
+    np.testing.assert_allclose([got[k] for k in want], list(want.values()), rtol=1e-5, atol=atol)
+    assert got["args[0]['Dense_0']['bias']"] <= atol
     assert report.max_safe_scale == plain.max_safe_scale
     assert any("BatchNorm_0" in r.where for r in report.rows)

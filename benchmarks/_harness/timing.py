@@ -37,12 +37,28 @@ TUNED_MALLOC = {
 MALLOC_ENV_VARS = (*TUNED_MALLOC, "MALLOC_MMAP_THRESHOLD_", "MALLOC_TOP_PAD_", "LD_PRELOAD")
 
 # For smoke runs, whose wall time is mostly XLA:CPU compiling: optimizing less
-# and using XLA:CPU's older loop emitters (measured 3-6x faster to compile).
-QUICK_COMPILER_OPTIONS = {
+# and using XLA:CPU's older loop emitters (measured 3-6x faster to compile on
+# jaxlib 0.10). jaxlib 0.11 removed the last option and refuses it.
+_QUICK_OPTIONS = {
     "xla_backend_optimization_level": 0,
     "xla_llvm_disable_expensive_passes": True,
     "xla_cpu_use_fusion_emitters": False,
 }
+
+
+@functools.cache
+def quick_compiler_options() -> dict[str, Any]:
+    """The options of ``_QUICK_OPTIONS`` that this jaxlib's XLA accepts
+    (each tried once on a trivial program: an unknown option is an error,
+    ``No such compile option``)."""
+    accepted = {}
+    for name, value in _QUICK_OPTIONS.items():
+        try:
+            jax.jit(lambda x: x + 1).lower(1.0).compile({name: value})
+        except Exception:  # noqa: BLE001 - XLA raises its runtime error type for an unknown option
+            continue
+        accepted[name] = value
+    return accepted
 
 
 # ---------------------------------------------------------------------------

@@ -2,7 +2,7 @@
 equation, with per-equation hooks, owning once what every walker of the
 package needs (issue 32): entering or rebuilding the primitives that hold
 jaxprs, literals and constants, effects, and the differences between the
-jax versions the package declares (0.8.0 to 0.10.x).
+jax versions the package declares (0.8.0 to 0.12.x).
 
 Usage::
 
@@ -122,7 +122,17 @@ equation: ``tests/test_engine_walkers.py``):
   its declared dtypes.
 """
 
-from loss_scale._jaxpr._compat import bind, closed_parts, equations, is_dropped, is_literal, sub_jaxprs, walk
+from loss_scale._jaxpr._compat import (
+    ScanParams,
+    bind,
+    closed_parts,
+    equations,
+    is_dropped,
+    is_literal,
+    scan_params,
+    sub_jaxprs,
+    walk,
+)
 from loss_scale._jaxpr._hooks import NO_LABELS, Equation, Frame, Hooks, Labels, Mode
 from loss_scale._jaxpr._interpreter import Interpreter
 from loss_scale._jaxpr._structured import CUSTOM_RULES, TABLE, Body, Structure, bodies, structure_of
@@ -138,6 +148,7 @@ __all__ = [
     "Interpreter",
     "Labels",
     "Mode",
+    "ScanParams",
     "Structure",
     "bind",
     "bodies",
@@ -145,6 +156,7 @@ __all__ = [
     "equations",
     "is_dropped",
     "is_literal",
+    "scan_params",
     "structure_of",
     "sub_jaxprs",
     "walk",

@@ -1,10 +1,26 @@
 """What differs between the jax versions the package declares (0.8.0 to
-0.10.x) when a jaxpr is evaluated equation by equation, in one place."""
+0.12.x) when a jaxpr is evaluated equation by equation, in one place.
+
+Equation parameters are jax's private structure: any module that needs one
+whose name or meaning changed between releases reads it through a function
+here (``scan_params``), never from ``eqn.params`` itself. The differences
+absorbed so far:
+
+* ``scan`` (0.11): ``num_consts`` and ``num_carry`` gave way to ``ft_in``
+  and ``ft_out``, flat trees of the operands' three groups (consts, carry,
+  xs) and the outputs' two (carry, ys).
+* ``ClosedJaxpr`` (0.11): an alias of ``Jaxpr``, which holds its own
+  consts; ``closed_parts`` answers both forms alike.
+* ``get_bind_params`` (0.9): the params alone, not ``(subfuns, params)``.
+* ``DropVar`` and ``get_opaque_trace_state`` (0.9): exported by
+  ``jax.extend.core``.
+"""
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+import dataclasses
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -84,6 +100,52 @@ def closed_parts(body: Any) -> tuple[Any, list[Any]]:
     if is_closed(body):
         return body.jaxpr, list(body.consts)
     return body, []
+
+
+@dataclasses.dataclass(frozen=True)
+class ScanParams:
+    """A ``scan`` equation's parameters, as every declared jax version has them.
+
+    Attributes:
+      jaxpr: the body (``closed_parts`` splits it); its inputs are the
+        consts, the carry and one slice of each xs, in that order, and its
+        outputs the new carry, then one slice of each ys.
+      num_consts: how many operands are constants of the body.
+      num_carry: how many operands (after the consts) and outputs (first)
+        are the carry.
+      length: the number of iterations.
+      reverse: whether the iterations run from the last slice to the first.
+      unroll: as ``lax.scan`` takes it.
+      options: further keywords ``lax.scan`` takes to rebuild the equation
+        as it was (``_split_transpose`` where the version has it).
+    """
+
+    jaxpr: Any
+    num_consts: int
+    num_carry: int
+    length: int
+    reverse: bool
+    unroll: int | bool
+    options: Mapping[str, Any]
+
+
+def scan_params(params: Mapping[str, Any]) -> ScanParams:
+    """The parameters of a ``scan`` equation (``eqn.params``)."""
+    if "num_consts" in params:  # jax 0.8 to 0.10
+        num_consts, num_carry = params["num_consts"], params["num_carry"]
+    else:  # jax 0.11 on: the operands' groups as flat trees
+        consts, carry, _ = params["ft_in"].unpack()
+        num_consts, num_carry = len(consts), len(carry)
+    options = {"_split_transpose": params["_split_transpose"]} if "_split_transpose" in params else {}
+    return ScanParams(
+        jaxpr=params["jaxpr"],
+        num_consts=num_consts,
+        num_carry=num_carry,
+        length=params["length"],
+        reverse=params["reverse"],
+        unroll=params["unroll"],
+        options=options,
+    )
 
 
 def has_effects(eqn: Any) -> bool:

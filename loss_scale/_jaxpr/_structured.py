@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 
-from loss_scale._jaxpr._compat import bind, closed_parts, trace_closed
+from loss_scale._jaxpr._compat import bind, closed_parts, scan_params, trace_closed
 from loss_scale._jaxpr._hooks import NO_LABELS, Frame, Labels, Mode
 
 if TYPE_CHECKING:
@@ -172,9 +172,9 @@ def _rebuild_cond(interp: Interpreter, eqn: Any, index: int, invals: list, label
 
 
 def _scan_labels(interp: Interpreter, eqn: Any, index: int, labels: Sequence[Labels], frame: Frame, mode: Mode):
-    params = eqn.params
-    n_consts, n_carry = params["num_consts"], params["num_carry"]
-    jaxpr, _ = closed_parts(params["jaxpr"])
+    scan = scan_params(eqn.params)
+    n_consts, n_carry = scan.num_consts, scan.num_carry
+    jaxpr, _ = closed_parts(scan.jaxpr)
     sub = child(interp, eqn, index, 0, mode, frame)
     body_in = list(labels)
     # The carries take the labels their own updates give them: a fixed
@@ -188,9 +188,9 @@ def _scan_labels(interp: Interpreter, eqn: Any, index: int, labels: Sequence[Lab
 
 
 def _rebuild_scan(interp: Interpreter, eqn: Any, index: int, invals: list, labels: Sequence[Labels], frame: Frame):
-    params = eqn.params
-    n_consts, n_carry = params["num_consts"], params["num_carry"]
-    jaxpr, body_consts = closed_parts(params["jaxpr"])
+    scan = scan_params(eqn.params)
+    n_consts, n_carry = scan.num_consts, scan.num_carry
+    jaxpr, body_consts = closed_parts(scan.jaxpr)
     (body_in,), out_labels = _scan_labels(interp, eqn, index, labels, frame, Mode.REBUILD)
     sub = child(interp, eqn, index, 0, Mode.REBUILD, frame)
     consts, init, xs = invals[:n_consts], invals[n_consts : n_consts + n_carry], invals[n_consts + n_carry :]
@@ -199,15 +199,8 @@ def _rebuild_scan(interp: Interpreter, eqn: Any, index: int, invals: list, label
         outs = interp.evaluate(jaxpr, body_consts, [*consts, *carry, *x], body_in, sub)[0]
         return outs[:n_carry], outs[n_carry:]
 
-    options = {"_split_transpose": params["_split_transpose"]} if "_split_transpose" in params else {}
     carry, ys = jax.lax.scan(
-        step,
-        list(init),
-        list(xs),
-        length=params["length"],
-        reverse=params["reverse"],
-        unroll=params["unroll"],
-        **options,
+        step, list(init), list(xs), length=scan.length, reverse=scan.reverse, unroll=scan.unroll, **scan.options
     )
     return [*carry, *ys], out_labels
 
@@ -268,7 +261,7 @@ def _rebuild_shard_map(interp: Interpreter, eqn: Any, index: int, invals: list, 
     def body(*args: Any) -> tuple:
         return tuple(interp.evaluate(jaxpr, consts, args, labels, sub)[0])
 
-    # jax 0.8 to 0.10 name these parameters alike; older ones used
+    # jax 0.8 to 0.12 name these parameters alike; older ones used
     # check_rep and auto (the axes left automatic) instead.
     check = params.get("check_vma", params.get("check_rep", True))
     manual = params.get("manual_axes")
@@ -367,8 +360,9 @@ def bodies(eqn: Any) -> list[Body]:
             found.append(Body(jaxpr, tuple(range(1, n + 1)), tuple(range(n_outs)), (None,) * n_outs))
         return found
     if name == "scan":
-        body = _same(params["jaxpr"], n_outs)
-        n_consts, n_carry = params["num_consts"], params["num_carry"]
+        scan = scan_params(params)
+        body = _same(scan.jaxpr, n_outs)
+        n_consts, n_carry = scan.num_consts, scan.num_carry
         feedback = tuple(n_consts + j if j < n_carry else None for j in range(n_outs))
         return [dataclasses.replace(body, feedback=feedback)]
     if name == "while":

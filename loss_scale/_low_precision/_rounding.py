@@ -20,6 +20,17 @@ so the cast to the parameter's dtype gives ``q``. Either way
 bit for bit. The tests check it on hundreds of thousands of random values,
 magnitudes from float16's subnormals to bfloat16's 2**60, updates from
 2**-40 to 2**40 times the parameter and near-total cancellations.
+
+Roundings the compiler keeps. Where a rounded value is read again in
+float32 (the update ``q - p``, Kahan's compensation ``y - update``), it is
+computed on the narrower dtype's grid without leaving float32
+(``nearest_on_grid`` in ``_grid.py``, ``stochastic_on_grid`` here): as a
+cast round trip XLA:GPU would delete the rounding, the update would be the
+unrounded delta and the compensation 0, and bfloat16 parameters would stop
+moving under small updates with no error. ``tests/test_rounding_kept.py``
+runs the programs with every such pair deleted, as XLA:GPU does. The only
+casts to a half dtype are those of values stored in it (the rounded
+moments, the compensation).
 """
 
 from __future__ import annotations
@@ -27,6 +38,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from loss_scale._grid import nearest_on_grid
 
 # The parameter dtypes that get a rounded update (and a compensation buffer
 # under "kahan"); wider floats are updated as the inner optimizer says.
@@ -78,7 +91,8 @@ def random_bits(seed: jax.Array, shape: tuple[int, ...]) -> jax.Array:
 
 def round_nearest(x: jax.Array, dtype: jnp.dtype) -> jax.Array:
     """``x`` rounded to the nearest value of ``dtype`` (ties to even), as
-    ``astype`` does."""
+    ``astype`` does: for a value stored in ``dtype``. Where the rounded
+    value is read again in float32, use ``nearest_on_grid``."""
     return x.astype(dtype)
 
 
@@ -86,6 +100,15 @@ def round_stochastic(x: jax.Array, dtype: jnp.dtype, bits: jax.Array) -> jax.Arr
     """``x`` (float32) rounded to one of its two neighbours in ``dtype``
     (bfloat16 or float16), the upper one (in magnitude) with probability
     ``distance to the lower / gap``: the expected result is ``x`` itself.
+    For a value stored in ``dtype``; ``stochastic_on_grid`` gives the same
+    value in float32, and says how."""
+    return stochastic_on_grid(x, dtype, bits).astype(dtype)
+
+
+def stochastic_on_grid(x: jax.Array, dtype: jnp.dtype, bits: jax.Array) -> jax.Array:
+    """``round_stochastic``'s value kept in float32 (``astype(dtype)`` of
+    it is exact), in operations that XLA keeps (see the module's
+    docstring).
 
     On the bits: a neighbour in ``dtype`` is a float32 whose low ``23 -
     mantissa`` bits are zero. Adding a uniform integer of that many bits to
@@ -103,29 +126,37 @@ def round_stochastic(x: jax.Array, dtype: jnp.dtype, bits: jax.Array) -> jax.Arr
     the bits give them too (where the hardware keeps float32 subnormals).
 
     Values beyond the dtype's range become infinities, as in rounding to
-    nearest (within one gap below it, with the probability of rounding up);
-    zeros, infinities and NaNs stay what they are (a NaN is selected back:
-    its payload could carry into the sign). The bit casts have derivative
-    zero, as rounding has; ``ls.dynamic``'s select path guards them
-    (``GUARDED`` in ``_skip.py``). A float32 or wider ``dtype`` is a cast.
+    nearest (within one gap below it, with the probability of rounding up;
+    for bfloat16 the carry reaches the infinity's bits, for float16 a
+    value above its largest is set to one); zeros, infinities and NaNs stay
+    what they are (a NaN is selected back: its payload could carry into the
+    sign). The bit casts have derivative zero, as rounding has;
+    ``ls.dynamic``'s select path guards them (``GUARDED`` in ``_skip.py``).
+    A float32 or wider ``dtype`` returns ``x``.
     """
     dtype = jnp.dtype(dtype)
     if dtype.itemsize >= 4:
-        return x.astype(dtype)
+        return x
     finfo = jnp.finfo(dtype)
     dropped = 23 - finfo.nmant
     offset = bits >> (32 - dropped)
     kept = jnp.uint32((0xFFFFFFFF << dropped) & 0xFFFFFFFF)
-    carried = (jax.lax.bitcast_convert_type(x, jnp.uint32) + offset) & kept
-    rounded = jax.lax.bitcast_convert_type(carried, jnp.float32)
+    word = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    rounded = jax.lax.bitcast_convert_type((word + offset) & kept, jnp.float32)
     if finfo.minexp > jnp.finfo(jnp.float32).minexp:  # a narrower exponent than float32 (float16): a fixed grid below
         smallest_normal, step = np.float32(finfo.smallest_normal), np.float32(finfo.smallest_subnormal)
         magnitude = jnp.abs(x)
         uniform = offset.astype(jnp.float32) * np.float32(2.0**-dropped)
         fixed = jnp.floor(magnitude * (1 / step) + uniform) * step  # powers of two: exact
-        below = (magnitude < smallest_normal) & (x != 0)
-        rounded = jnp.where(below, jnp.where(x < 0, -fixed, fixed), rounded)
-    return jnp.where(x != x, x, rounded).astype(dtype)
+        # x's sign on the magnitude from its bits: a comparison would lose a
+        # zero's sign, and a float32 subnormal's where the CPU treats it as 0.
+        sign = word & jnp.uint32(0x80000000)
+        signed = jax.lax.bitcast_convert_type(jax.lax.bitcast_convert_type(fixed, jnp.uint32) | sign, jnp.float32)
+        rounded = jnp.where(magnitude < smallest_normal, signed, rounded)
+    if finfo.maxexp < jnp.finfo(jnp.float32).maxexp:  # float16: above its largest value is an infinity
+        infinity = jnp.where(x < 0, np.float32(-np.inf), np.float32(np.inf))
+        rounded = jnp.where(jnp.abs(rounded) > np.float32(finfo.max), infinity, rounded)
+    return jnp.where(x != x, x, rounded)
 
 
 def update_nearest(p: jax.Array, delta: jax.Array) -> jax.Array:
@@ -133,14 +164,14 @@ def update_nearest(p: jax.Array, delta: jax.Array) -> jax.Array:
     nearest in ``p``'s dtype: what ``optax.apply_updates(p, delta)`` gives,
     with ``p + update`` exact."""
     p32 = p.astype(jnp.float32)
-    return round_nearest(p32 + delta, p.dtype).astype(jnp.float32) - p32
+    return nearest_on_grid(p32 + delta, p.dtype) - p32
 
 
 def update_stochastic(p: jax.Array, delta: jax.Array, bits: jax.Array) -> jax.Array:
     """The float32 update that moves ``p`` to ``p + delta`` rounded
     stochastically in ``p``'s dtype."""
     p32 = p.astype(jnp.float32)
-    return round_stochastic(p32 + delta, p.dtype, bits).astype(jnp.float32) - p32
+    return stochastic_on_grid(p32 + delta, p.dtype, bits) - p32
 
 
 def update_kahan(p: jax.Array, compensation: jax.Array, delta: jax.Array) -> tuple[jax.Array, jax.Array]:
@@ -150,12 +181,15 @@ def update_kahan(p: jax.Array, compensation: jax.Array, delta: jax.Array) -> tup
     float32 up to its own rounding, then rounded to nearest in the
     compensation's dtype). So ``p_new + c_new == p + c + delta`` up to
     ``c_new``'s rounding: no update is lost, however small against ``p``.
+    The rounded sum is computed on the grid in float32
+    (``nearest_on_grid``): as a cast round trip the compiler may skip the
+    rounding, and the compensation would then always be 0.
 
     Where the new parameter is not finite (an overflow, a NaN update) the
     compensation is reset to 0 rather than carrying an infinity into every
     later step."""
     p32 = p.astype(jnp.float32)
     y = delta + compensation.astype(jnp.float32)
-    update = round_nearest(p32 + y, p.dtype).astype(jnp.float32) - p32
+    update = nearest_on_grid(p32 + y, p.dtype) - p32
     residual = jnp.where(jnp.isfinite(update), y - update, 0.0)
     return update, residual.astype(compensation.dtype)

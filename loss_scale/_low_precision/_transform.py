@@ -10,6 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from loss_scale._errors import warn_about_full_precision_params
 from loss_scale._low_precision._rounding import (
     is_half,
     random_bits,
@@ -73,6 +74,8 @@ def low_precision(
     float32 and float64 parameters (and integer ones), and their state, are
     updated exactly as ``inner`` alone updates them, bit for bit, with no
     buffer: mixing a float32 LayerNorm with bfloat16 matrices is fine.
+    Params with no bfloat16 or float16 leaf at all (a forgotten cast) save
+    nothing: ``init`` warns (``FullPrecisionParamsWarning``).
 
     State. ``state_dtype=None`` keeps the dtypes ``inner.init(params)``
     gives, step after step (optax's optimizers keep a parameter's moments
@@ -164,6 +167,7 @@ def low_precision(
     def init_fn(params: optax.Params) -> LowPrecisionState:
         param_leaves, treedef = jax.tree.flatten(params)
         _refuse_narrow_floats(params)
+        warn_about_full_precision_params(params)
         inner_state = inner.init(params)
         if any(isinstance(x, LossScaleState) for x in jax.tree.leaves(inner_state, is_leaf=_is_loss_scale_state)):
             raise ValueError(

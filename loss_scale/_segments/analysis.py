@@ -38,7 +38,18 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from loss_scale._jaxpr import NO_LABELS, Frame, Interpreter, Labels, equations, is_dropped, is_literal, sub_jaxprs, walk
+from loss_scale._jaxpr import (
+    NO_LABELS,
+    Frame,
+    Interpreter,
+    Labels,
+    equations,
+    is_dropped,
+    is_literal,
+    scan_params,
+    sub_jaxprs,
+    walk,
+)
 from loss_scale._probe import _describe
 from loss_scale._segments import errors
 from loss_scale._segments.errors import SegmentError
@@ -237,7 +248,7 @@ class Analyser:
             # step at the same potential as its outputs.
             (body_labels,) = Interpreter().body_labels(eqn, labels, Frame(), i)
             step = self._jaxpr(bodies[0], [p] * len(bodies[0].outvars), body_labels, in_scan=True)
-            plan.inner[i] = ScanPlan([step] * eqn.params["length"], {})
+            plan.inner[i] = ScanPlan([step] * scan_params(eqn.params).length, {})
         return [p] * len(eqn.invars)
 
     def _inner(self, plan: Plan, i: int, sub: Plan, in_scan: bool, eqn: Any) -> list[Potential | None]:
@@ -274,10 +285,10 @@ class Analyser:
         return potentials
 
     def _scan(self, plan: Plan, i: int, eqn: Any, outs: list, labels: list[Labels]) -> list[Potential | None]:
-        params = eqn.params
-        (body,) = sub_jaxprs(params)
-        n_consts, n_carry, length = params["num_consts"], params["num_carry"], params["length"]
-        order = range(length) if params["reverse"] else range(length - 1, -1, -1)
+        scan = scan_params(eqn.params)
+        (body,) = sub_jaxprs(eqn.params)
+        n_consts, n_carry, length = scan.num_consts, scan.num_carry, scan.length
+        order = range(length) if scan.reverse else range(length - 1, -1, -1)
         (body_labels,) = Interpreter().body_labels(eqn, labels, Frame(), i)
         carry_out = list(outs[:n_carry])
         ys = list(outs[n_carry:])

@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from loss_scale._jaxpr import Equation, Frame, Hooks, Interpreter, Mode, bind, closed_parts, walk
+from loss_scale._jaxpr import Equation, Frame, Hooks, Interpreter, Mode, bind, closed_parts, scan_params, walk
 from loss_scale._segments.analysis import CALLS, OUT, REMAT, Plan, Potential, ScanPlan, is_var
 from loss_scale._segments.marker import probed, rescaled
 from loss_scale._sharding import vary_along, varying_axes
@@ -240,9 +240,9 @@ class Evaluator(Hooks):
         step's rescales (tables [T, n] indexed by the step, a per-step input)
         and probes (stacked [T, 3], sliced per step)."""
         eqn = equation.eqn
-        params = eqn.params
-        body_jaxpr, body_consts = closed_parts(params["jaxpr"])
-        n_consts, n_carry, length = params["num_consts"], params["num_carry"], params["length"]
+        params = scan_params(eqn.params)
+        body_jaxpr, body_consts = closed_parts(params.jaxpr)
+        n_consts, n_carry, length = params.num_consts, params.num_carry, params.length
         consts, init, xs = invals[:n_consts], invals[n_consts : n_consts + n_carry], invals[n_consts + n_carry :]
         steps = scan.steps
         # The body's structure is the same at every step; a boundary may be
@@ -293,8 +293,9 @@ class Evaluator(Hooks):
             list(init),
             (list(xs), jnp.arange(length), probes_in),
             length=length,
-            reverse=params["reverse"],
-            unroll=params["unroll"],
+            reverse=params.reverse,
+            unroll=params.unroll,
+            **params.options,
         )
         return [*carry, *ys]
 
