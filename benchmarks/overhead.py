@@ -305,6 +305,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="tiny models, few rounds, fast compiles: a smoke test")
     size.add_argument("--large", action="store_true", help="~200M-parameter models, for a GPU")
+    size.add_argument(
+        "--size",
+        choices=models.SIZES,
+        help="the models' size (--quick and --large name two; gpu: --large's MLP and a 2-layer transformer of its "
+        "width, what a short GPU window compiles)",
+    )
     parser.add_argument("--json", metavar="PATH", help="write the results to PATH as JSON")
     cli.add_out(parser, "overhead")
     parser.add_argument("--dump-hlo", metavar="DIR", help="write each executable's optimized HLO to DIR")
@@ -314,9 +320,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     )
     malloc.add_argument("--both", action="store_true", help="run with default malloc, then tuned; print both")
     args = parser.parse_args(argv)
+    args.size = args.size or ("quick" if args.quick else "large" if args.large else "default")
+    args.quick = args.size == "quick"
     args.rounds = args.rounds if args.rounds is not None else (3 if args.quick else 20)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
-    args.size = "quick" if args.quick else "large" if args.large else "default"
     args.models = cli.split(args.models)
     args.precisions = cli.split(args.precisions)
     args.variants = list(peers.ALL) if args.variants == "all" else cli.split(args.variants)
@@ -340,10 +347,7 @@ def _child_argv(args: argparse.Namespace, tuned: bool) -> list[str]:
         "--rounds", str(args.rounds), "--warmup", str(args.warmup), "--models", ",".join(args.models),
         "--precisions", ",".join(args.precisions), "--variants", ",".join(args.variants),
     ]  # fmt: skip
-    if args.quick:
-        argv.append("--quick")
-    if args.large:
-        argv.append("--large")
+    argv += ["--size", args.size]
     if args.dump_hlo:
         argv += ["--dump-hlo", os.path.join(args.dump_hlo, "tuned" if tuned else "default")]
     return argv

@@ -294,3 +294,89 @@ def test_results_json_round_trips(tmp_path):
     compile_time.main(["--quick", "--leaves", "2", "--optimizers", "sgd", "--variants", "ls", "--json", str(path)])
     data = json.loads(path.read_text())
     assert [r["variant"] for r in data["rows"]] == ["bare", "ls.dynamic"] and data["environment"]["backend"] == "cpu"
+
+
+# A compiled module as XLA prints it: an entry with a fusion, a library call
+# and a conditional whose branches hold a fusion each, and a fused
+# computation (one kernel, whatever it holds).
+HLO_MODULE = """HloModule jit_step, entry_computation_layout={(f32[1024]{0}, pred[])->f32[1024]{0}}
+
+%fused_computation (param_0: f32[1024]) -> f32[1024] {
+  %param_0 = f32[1024]{0} parameter(0)
+  %constant.1 = f32[] constant(2)
+  %broadcast.1 = f32[1024]{0} broadcast(%constant.1), dimensions={}
+  ROOT %multiply.1 = f32[1024]{0} multiply(%param_0, %broadcast.1)
+}
+
+%taken (arg: f32[1024]) -> f32[1024] {
+  %arg = f32[1024]{0} parameter(0)
+  ROOT %fusion.2 = f32[1024]{0} fusion(%arg), kind=kLoop, calls=%fused_computation
+}
+
+%skipped (arg.1: f32[1024]) -> f32[1024] {
+  %arg.1 = f32[1024]{0} parameter(0)
+  ROOT %copy.1 = f32[1024]{0} copy(%arg.1)
+}
+
+ENTRY %main (x: f32[1024], p: pred[]) -> f32[1024] {
+  %x = f32[1024]{0} parameter(0)
+  %p = pred[] parameter(1)
+  %fusion.1 = bf16[1024]{0} fusion(%x), kind=kLoop, calls=%fused_computation
+  %gemm = (f32[1024]{0}, s8[256]{0}) custom-call(%fusion.1, %fusion.1), custom_call_target="__cublas$gemm"
+  %gte = f32[1024]{0} get-tuple-element(%gemm), index=0
+  ROOT %conditional = f32[1024]{0} conditional(%p, %gte, %gte), true_computation=%taken, false_computation=%skipped
+}
+"""
+
+
+def test_the_hlo_reader_counts_kernels_and_their_bytes():
+    sys.path.insert(0, str(BENCH))
+    from _harness import hlo
+
+    k = hlo.kernels(HLO_MODULE, min_bytes=4096)
+    # fusion.1, the gemm, and each branch's kernel; the fused computation's
+    # instructions, parameters, the get-tuple-element and the conditional are not kernels.
+    assert k.count == 4
+    assert k.by_opcode == {"fusion": 2, "custom-call": 1, "copy": 1}
+    # fusion.1 reads 4096 B and writes 2048 (bf16); the gemm reads its operand once (2048) and
+    # writes 4096 + 256; each branch reads and writes 4096.
+    assert k.read_bytes == 4096 + 2048 + 4096 + 4096
+    assert k.written_bytes == 2048 + 4352 + 4096 + 4096
+    assert sorted(name for name, *_ in k.large) == ["copy.1", "fusion.1", "fusion.2", "gemm"]
+
+
+def test_hlo_kernels_shows_what_each_path_adds_to_the_update(capsys):
+    rows = load("hlo_kernels").main(["--size", "quick", "--precisions", "f32", "--variants", "ls,apply-if-finite"])
+    by_variant = {row["variant"]: row for row in rows}
+    assert list(by_variant) == [peers.BARE, peers.LS, peers.APPLY_IF_FINITE]
+    assert by_variant[peers.BARE]["extra_kernels"] == 0 and by_variant[peers.BARE]["extra_mib"] == 0
+    # A scaler reads the gradients at least once more than bare Adam (its finite check).
+    params_mib = 9.6e3 * 4 / 2**20
+    for name in (peers.LS, peers.APPLY_IF_FINITE):
+        assert by_variant[name]["extra_kernels"] > 0 and by_variant[name]["extra_mib"] >= params_mib
+    [table] = printed_tables(capsys.readouterr().out)
+    assert [row["variant"] for row in table] == list(by_variant)
+
+
+def test_the_gpu_check_runs_through_on_a_cpu(tmp_path):
+    """benchmarks/gpu.sh with the quick models and one test file: every stage
+    runs and writes what it promises (on a GPU, the same script measures)."""
+    env = {
+        **os.environ,
+        "OUT": str(tmp_path),
+        "PYTHON": sys.executable,
+        "SIZE": "quick",
+        "ALLOW_CPU": "1",
+        "ROUNDS": "2",
+        "VARIANTS": "ls",
+        "TESTS": "tests/test_layers.py",
+        "TEST_WORKERS": "1",
+    }
+    done = subprocess.run(["bash", str(BENCH / "gpu.sh")], env=env, capture_output=True, text=True, timeout=600)
+    log = (tmp_path / "gpu.log").read_text()
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    stages = ["versions", "tests", "overhead mlp", "overhead transformer", "hlo kernels", "autocast"]
+    for stage in [*stages, "low_precision cost"]:
+        assert f"== {stage}: rc=0 in" in log, (stage, log[-3000:])
+    files = {"gpu.log", "overhead_mlp.json", "overhead_transformer.json", "hlo_kernels.txt", "autocast.txt"}
+    assert files | {"low_precision_cost.txt"} == {p.name for p in tmp_path.iterdir()}
