@@ -173,6 +173,32 @@ def run_oracle(make, taken, lr, params, grads_seq):
     return params, state
 
 
+# The oracles depend on the optimizer and the sequence alone; the four
+# variants of a test (eager or jit, update or fused) share them (the file's
+# tests run on one worker: --dist loadfile).
+@functools.cache
+def oracle_values(name: str, sequence: str):
+    grads_seq = SEQUENCES[sequence]
+    return run_oracle(OPTIMIZERS[name], _taken(grads_seq), jnp.float32(0.1), PARAMS, grads_seq)
+
+
+@functools.cache
+def oracle_derivatives(name: str, sequence: str):
+    """The oracle's derivatives with respect to the learning rate, the
+    params and every step's gradients; 0 for a skipped step's, which are
+    not read (the oracle is fed finite ones there)."""
+    make, grads_seq = OPTIMIZERS[name], SEQUENCES[sequence]
+    taken = _taken(grads_seq)
+    safe_seq = tuple(g if go else clean(9) for go, g in zip(taken, grads_seq, strict=True))
+
+    def oracle(lr, params, grads_seq):
+        return _objective(*run_oracle(make, taken, lr, params, grads_seq))
+
+    want = jax.grad(oracle, argnums=(0, 1, 2))(jnp.float32(0.1), PARAMS, safe_seq)
+    zeroed = tuple(w if go else jax.tree.map(jnp.zeros_like, w) for go, w in zip(taken, want[2], strict=True))
+    return want[0], want[1], zeroed
+
+
 def _run_wrapped_at(make, grads_seq, lr, params):
     return run_wrapped(make, "update", lr, params, grads_seq)
 
@@ -203,7 +229,7 @@ def test_values_equal_the_reference(name, jit, api):
                 # programs).
                 assert_trees_bitwise(steps[k + 1], steps[k], f"{name} {sequence} step {k}")
         assert_trees_bitwise(steps[0][1], make(lr).init(PARAMS), f"{name} {sequence} init")
-        want = run_oracle(make, _taken(grads_seq), lr, PARAMS, grads_seq)
+        want = oracle_values(name, sequence)
         if jit:
             assert_trees_close(steps[-1], want, rtol=JIT_RTOL.get(name, 2e-6), atol=1e-7)
         else:
@@ -219,25 +245,12 @@ def test_derivatives_equal_the_reference_and_are_finite(name, jit, api):
     def wrapped(lr, params, grads_seq):
         return _objective(*run_wrapped(make, api, lr, params, grads_seq))
 
+    grad = jax.grad(wrapped, argnums=(0, 1, 2))
+    if jit:
+        grad = jax.jit(grad)
     for sequence, grads_seq in SEQUENCES.items():
-        taken = _taken(grads_seq)
-        # The oracle is fed only the finite steps' gradients (a skipped
-        # step's are not read), so its derivative there is 0.
-        safe_seq = tuple(g if go else clean(9) for go, g in zip(taken, grads_seq, strict=True))
-
-        def oracle(lr, params, grads_seq, taken=taken):
-            return _objective(*run_oracle(make, taken, lr, params, grads_seq))
-
-        grad = jax.grad(wrapped, argnums=(0, 1, 2))
-        if jit:
-            grad = jax.jit(grad)
         got = grad(jnp.float32(0.1), PARAMS, grads_seq)
-        want = jax.grad(oracle, argnums=(0, 1, 2))(jnp.float32(0.1), PARAMS, safe_seq)
-        want = (
-            want[0],
-            want[1],
-            tuple(w if go else jax.tree.map(jnp.zeros_like, w) for go, w in zip(taken, want[2], strict=True)),
-        )
+        want = oracle_derivatives(name, sequence)
         assert _finite(got), f"{name} {sequence}: non-finite derivative {got}"
         assert_trees_close(got, want, rtol=2e-5, atol=1e-6)
 
