@@ -19,19 +19,13 @@ import dataclasses
 import difflib
 import functools
 import inspect
-import sys
 import textwrap
 import types
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from typing import Annotated, Any, TypedDict, TypeVar, cast, get_type_hints
+from typing import Annotated, Any, TypedDict, TypeVar, Unpack, cast, get_type_hints
 
 from loss_scale import _validate as validate
 from loss_scale._settings import Settings
-
-if sys.version_info >= (3, 11):
-    from typing import Unpack
-else:  # pragma: no cover
-    from typing_extensions import Unpack
 
 __all__ = [
     "OPTIONS",

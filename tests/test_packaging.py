@@ -23,8 +23,8 @@ def _pins(name: str) -> dict[str, str]:
 
 
 def _minimums(requirements: list[str]) -> dict[str, str]:
-    """``{name: version}`` of the ``name>=version`` requirements, without the
-    ones for older Pythons only (typing_extensions)."""
+    """``{name: version}`` of the ``name>=version`` requirements (without
+    markers)."""
     found = (re.match(r"^([\w-]+)>=([\w.]+)$", r) for r in requirements)
     return dict(m.groups() for m in found if m)
 

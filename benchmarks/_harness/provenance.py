@@ -80,7 +80,7 @@ def environment(script: str, argv: Sequence[str] | None = None) -> dict[str, Any
         script = str(script_path.relative_to(ROOT))
     args = list(sys.argv[1:] if argv is None else argv)
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": shlex.join(["python", script, *args]),
         "jax": jax.__version__,
         "optax": optax.__version__,
