@@ -25,8 +25,8 @@ From Python, ``main([...])`` returns the rows as a list of dicts.
 
 from __future__ import annotations
 
-import os
 import pathlib
+import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -51,7 +51,7 @@ def measure(
     variant_keys: Sequence[str],
     kinds: Sequence[str],
     min_mib: float,
-    dump: str | None,
+    dump: str | None = None,
 ) -> list[dict[str, Any]]:
     """One row per variant and kind: kernels, bytes, and against bare Adam."""
     model = models.build(name, precision, size)
@@ -70,7 +70,8 @@ def measure(
                 fn, last = v.update, scaled if v.grad_scale != 1.0 else grads
             text = _compiled_text(fn, (model.params, opt_state, extra, last))
             if dump:
-                tag = f"{name}_{precision}_{v.name}_{kind}".replace(" ", "_").replace(".", "_").replace(":", "")
+                tag = re.sub(r"[^\w]+", "_", f"{name}_{precision}_{v.name}_{kind}").strip("_")
+                pathlib.Path(dump).mkdir(parents=True, exist_ok=True)
                 pathlib.Path(dump, f"{tag}.hlo.txt").write_text(text)
             found[v.name, kind] = hlo.kernels(text, int(min_mib * MIB))
     rows = []
@@ -135,8 +136,6 @@ def parse_args(argv: Sequence[str] | None) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     args = parse_args(argv)
-    if args.dump:
-        os.makedirs(args.dump, exist_ok=True)
     env = provenance.environment("hlo_kernels.py", argv)
     report = tables.Report()
     report.print(provenance.header(env))

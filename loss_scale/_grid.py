@@ -11,6 +11,14 @@ the peak the finite check compares, a Kahan compensation), the package
 rounds with ``nearest_on_grid`` instead: ``lax.reduce_precision``, XLA's
 own operation for this, which it keeps. A cast to a half dtype remains only
 where the value is stored in it.
+
+Casts that put a value into the dtype an operation computes in stay casts:
+``ls.autocast``'s, ``range_report``'s ``compute_dtype``, a per-segment
+rescale's return to the cotangent's dtype. Where XLA:GPU drops one of
+those, it computes in more precision, exactly as it does in the user's own
+half-precision program, which those features rewrite or report on.
+``tests/test_rounding_kept.py`` runs the programs with every pair deleted
+and requires the same bits.
 """
 
 from __future__ import annotations
