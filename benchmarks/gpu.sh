@@ -11,7 +11,7 @@
 # the tables with a note. The package is imported from this checkout.
 #
 # Stages, each capped with `timeout` so that the whole fits in about 8
-# minutes (the caps add up to 450 s; a stage that reaches its cap is cut
+# minutes (the caps add up to 440 s; a stage that reaches its cap is cut
 # and the next one runs):
 #
 #   1. versions and the device;
@@ -85,7 +85,7 @@ if jax.default_backend() != "gpu" and os.environ["ALLOW_CPU"] != "1":
 PY'
 
 # shellcheck disable=SC2086 # TESTS is a list of paths
-stage tests 150 "$python" -m pytest -q -p no:cacheprovider -o addopts="" -n "${TEST_WORKERS:-4}" --dist loadfile $tests
+stage tests 140 "$python" -m pytest -q -p no:cacheprovider -o addopts="" -n "${TEST_WORKERS:-4}" --dist loadfile $tests
 
 # The transformer's variants take longer to compile than the MLP's.
 for model in mlp:60 transformer:90; do

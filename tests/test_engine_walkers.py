@@ -78,3 +78,30 @@ def test_no_module_is_longer_than_450_lines():
         if (n := len(path.read_text().splitlines())) > MAX_LINES
     }
     assert not long, f"modules over {MAX_LINES} lines (split them, one concept per module): {long}"
+
+
+# Equation parameters whose names changed between the jax versions the
+# package declares (scan's, in jax 0.11): read only through _jaxpr/_compat.py.
+VERSIONED_PARAMETERS = ("num_consts", "num_carry", "ft_in", "ft_out")
+
+
+def versioned_reads(source: str) -> list[tuple[int, str]]:
+    """``(line, name)`` for every string constant of ``source`` that names a
+    versioned parameter (a ``params["num_consts"]`` or ``.get("ft_in")``)."""
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(ast.parse(source))
+        if isinstance(node, ast.Constant) and node.value in VERSIONED_PARAMETERS
+    ]
+
+
+def test_versioned_parameters_are_read_in_one_place():
+    compat = ENGINE / "_compat.py"
+    problems = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {name!r}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        if path != compat
+        for line, name in versioned_reads(path.read_text())
+    ]
+    assert not problems, "read these through loss_scale._jaxpr.scan_params:\n" + "\n".join(problems)
+    assert {name for _, name in versioned_reads(compat.read_text())} >= {"num_consts", "ft_in"}
