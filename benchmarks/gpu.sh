@@ -49,7 +49,7 @@ if compgen -G ".whl/*.whl" >/dev/null; then
     && export PYTHONPATH="$PYTHONPATH:/tmp/gpu-site"
 fi
 rounds=${ROUNDS:-10}
-variants=${VARIANTS:-bare,ls,ls-overflow,ls-fused,ls-fused-overflow,ls-trainstate,apply-if-finite,jmp,flax,eqx-bare,eqx-ls,mpx}
+variants=${VARIANTS:-bare,ls,ls-overflow,ls-fused,ls-fused-overflow,ls-trainstate,ls-nnx,apply-if-finite,jmp,flax,eqx-bare,eqx-ls,mpx}
 size=${SIZE:-gpu}
 tests=${TESTS:-tests/test_low_precision.py tests/test_rounding_kept.py tests/test_skip.py tests/test_skip_select.py
   tests/test_autocast.py tests/test_autocast_rules.py tests/test_precision.py tests/test_reliability.py}

@@ -36,7 +36,7 @@ import jax
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _harness/ is next to this script, run or imported
 from _harness import cli, hlo, models, peers, provenance, tables  # noqa: E402
 
-VARIANTS = ("bare", "ls", "ls-fused", "apply-if-finite", "jmp", "flax")
+VARIANTS = ("bare", "ls", "ls-fused", "ls-nnx", "apply-if-finite", "jmp", "flax")
 MIB = 1 << 20
 
 

@@ -7,7 +7,9 @@ and in "mixed" precision (float32 params, float16 compute, float32
 loss), this times Adam trained by every variant of ``_harness/peers.py``:
 bare Adam (the baseline), ``ls.dynamic`` through ``tx.update`` and through
 ``ls.apply_gradients`` (each also fed so that every step overflows and is
-skipped), ``optax.apply_if_finite``, jmp and flax DynamicScale; for the MLP
+skipped), ``optax.apply_if_finite``, jmp and flax DynamicScale (and, asked
+for by name, the flax paths: ``loss_scale.flax.TrainState`` and the NNX
+optimizers, ``--variants ls-trainstate,nnx-bare,ls-nnx``); for the MLP
 also as an Equinox module: bare Equinox, ``loss_scale.equinox`` and MPX
 (``mixed-precision-for-JAX``), in the same rounds, against bare Equinox.
 

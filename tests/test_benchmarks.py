@@ -92,6 +92,20 @@ def test_overhead_tuned_malloc_reruns_the_script_and_saves_its_tables(tmp_path, 
     assert "MALLOC_ARENA_MAX=1" in out_path.read_text() and "### transformer f32" in capfd.readouterr().out
 
 
+def test_the_nnx_paths_reproduce_bare_adam_and_are_timed_against_it():
+    """nnx.Optimizer and loss_scale.flax.Optimizer on an NNX module holding
+    the MLP's params: overhead.main checks that one update of each gives bare
+    Adam's params (check_updates) and that the warm-up steps were applied."""
+    overhead = load("overhead")
+    result = overhead.main(
+        ["--quick", "--models", "mlp", "--precisions", "mixed", "--rounds", "1", "--variants", "ls-nnx,nnx-bare"]
+    )
+    [table] = result["runs"][0]["tables"]
+    assert [(row["variant"], row["baseline"]) for row in table["rows"]] == [
+        (peers.BARE, peers.BARE), (peers.NNX_BARE, peers.BARE), (peers.LS_NNX, peers.BARE)
+    ]  # fmt: skip
+
+
 def test_speedup_reads_a_two_precision_run(tmp_path, capsys):
     overhead = load("overhead")
     results = overhead.main(

@@ -14,6 +14,9 @@ Variants, by key (``ALL``, in table order):
 * ``ls``: ``loss_scale.dynamic``, ``tx.update`` + ``optax.apply_updates``;
 * ``ls-fused``: the same transformation with ``ls.apply_gradients``;
 * ``ls-trainstate``: ``loss_scale.flax.TrainState.apply_gradients``;
+* ``nnx-bare``, ``ls-nnx``: the same params held by an NNX module and
+  trained by ``nnx.Optimizer(adam)``, and by ``loss_scale.flax.Optimizer``
+  with ``nnx_value_and_grad`` (both against the plain bare step);
 * ``apply-if-finite``: ``optax.apply_if_finite`` (a check, no scaling);
 * ``jmp``: ``jmp.DynamicLossScale`` + ``jmp.select_tree``, as jmp's README;
 * ``flax``: flax's ``DynamicScale.value_and_grad`` + ``jnp.where``;
@@ -55,6 +58,8 @@ LS_OVERFLOW = "ls.dynamic overflow"
 LS_FUSED = "ls.dynamic + ls.apply_gradients"
 LS_FUSED_OVERFLOW = "ls.dynamic + ls.apply_gradients overflow"
 LS_TRAIN_STATE = "ls.dynamic + loss_scale.flax.TrainState"
+NNX_BARE = "nnx: adam (bare), nnx.Optimizer"
+LS_NNX = "nnx: ls.dynamic + loss_scale.flax.Optimizer"
 APPLY_IF_FINITE = "optax.apply_if_finite"
 JMP = "jmp DynamicLossScale"
 FLAX = "flax DynamicScale"
@@ -224,6 +229,81 @@ def ls_train_state(model: Model) -> Variant | str:
     return Variant(
         LS_TRAIN_STATE, PYTREE, init, train_step, update, _applied_from_state, LOSS_SCALE, overflow_inputs=None
     )
+
+
+def _nnx_variant(name: str, model: Model, *, scaled: bool) -> Variant | str:
+    """An NNX training loop on the model's params: each leaf an ``nnx.Param``
+    of one module, trained by an optimizer that ``nnx.split`` turns into the
+    threaded state and ``nnx.merge`` rebuilds inside the step (the functional
+    form of ``nnx.jit``: the graph work happens while tracing, not per step).
+    ``scaled``: ``loss_scale.flax.Optimizer(ls.dynamic(adam))`` with
+    ``nnx_value_and_grad``; else ``nnx.Optimizer(adam)`` with ``nnx.value_and_grad``."""
+    try:
+        from flax import nnx
+
+        from loss_scale import flax as lsf
+    except ImportError:
+        return f"{name}: skipped (flax not installed)"
+
+    class Params(nnx.Module):
+        def __init__(self, params: PyTree):
+            self.params = nnx.data(jax.tree.map(nnx.Param, params))
+
+        def tree(self) -> PyTree:
+            return jax.tree.map(lambda v: v[...], self.params, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+    def loss_fn(module, batch):
+        return model.loss_fn(module.tree(), batch)
+
+    def optimizer(module):
+        if scaled:
+            return lsf.Optimizer(module, ls.dynamic(adam(), initial_scale=LOSS_SCALE), wrt=nnx.Param)
+        return nnx.Optimizer(module, adam(), wrt=nnx.Param)
+
+    # The optimizer's graph: the same for every params of the model's structure.
+    graph = nnx.split(optimizer(Params(model.params)))[0]
+
+    def init(params):
+        return nnx.split(optimizer(Params(params)))[1], None
+
+    def run(params, opt_state, batch=None, grads=None):
+        module, opt = Params(params), nnx.merge(graph, opt_state)
+        loss = None
+        if grads is None:
+            if scaled:
+                loss, grads = lsf.nnx_value_and_grad(loss_fn)(opt, module, batch)
+            else:
+                loss, grads = nnx.value_and_grad(loss_fn)(module, batch)
+        else:
+            grads = nnx.state(Params(grads), nnx.Param)
+        opt.update(module, grads)
+        return module.tree(), nnx.split(opt)[1], loss
+
+    def update(params, opt_state, extra, grads):
+        params, opt_state, _ = run(params, opt_state, grads=grads)
+        return params, opt_state, extra
+
+    def train_step(params, opt_state, extra, batch):
+        params, opt_state, loss = run(params, opt_state, batch=batch)
+        return params, opt_state, extra, loss
+
+    def applied(opt_state, extra):
+        if not scaled:
+            return jnp.array(True)
+        return jnp.logical_not(lsf.find_state(nnx.merge(graph, opt_state)).skipped)
+
+    return Variant(name, PYTREE, init, train_step, update, applied, grad_scale=LOSS_SCALE if scaled else 1.0)
+
+
+def nnx_bare(model: Model) -> Variant | str:
+    """``nnx.Optimizer(adam)`` on an NNX module holding the params."""
+    return _nnx_variant(NNX_BARE, model, scaled=False)
+
+
+def ls_nnx(model: Model) -> Variant | str:
+    """``loss_scale.flax.Optimizer(ls.dynamic(adam))`` (the fused step behind
+    NNX's optimizer API) with ``nnx_value_and_grad``."""
+    return _nnx_variant(LS_NNX, model, scaled=True)
 
 
 def apply_if_finite(model: Model) -> Variant:
@@ -493,6 +573,8 @@ BUILDERS: dict[str, Callable[[Model], Variant | str]] = {
     "ls": ls_update,
     "ls-fused": ls_fused,
     "ls-trainstate": ls_train_state,
+    "nnx-bare": nnx_bare,
+    "ls-nnx": ls_nnx,
     "apply-if-finite": apply_if_finite,
     "jmp": jmp_dynamic,
     "flax": flax_dynamic_scale,
@@ -508,10 +590,12 @@ OVERFLOWS = {
     "mpx-overflow": ("mpx", MPX_OVERFLOW),
 }
 ALL = (
-    "bare", "ls", "ls-overflow", "ls-fused", "ls-fused-overflow", "ls-trainstate", "apply-if-finite", "jmp", "flax",
+    "bare", "ls", "ls-overflow", "ls-fused", "ls-fused-overflow", "ls-trainstate", "nnx-bare", "ls-nnx",
+    "apply-if-finite", "jmp", "flax",
     "eqx-bare", "eqx-ls", "eqx-ls-overflow", "mpx", "mpx-overflow",
 )  # fmt: skip
-DEFAULT = tuple(key for key in ALL if key != "ls-trainstate")
+# The flax paths (two compiles each) run when asked for by name.
+DEFAULT = tuple(key for key in ALL if key not in ("ls-trainstate", "nnx-bare", "ls-nnx"))
 EQUINOX_KEYS = ("eqx-bare", "eqx-ls", "eqx-ls-overflow", "mpx", "mpx-overflow")
 
 
