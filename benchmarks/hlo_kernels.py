@@ -25,8 +25,8 @@ From Python, ``main([...])`` returns the rows as a list of dicts.
 
 from __future__ import annotations
 
+import os
 import pathlib
-import re
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -54,6 +54,8 @@ def measure(
     dump: str | None = None,
 ) -> list[dict[str, Any]]:
     """One row per variant and kind: kernels, bytes, and against bare Adam."""
+    if dump:
+        os.makedirs(dump, exist_ok=True)
     model = models.build(name, precision, size)
     variants, _ = peers.build([k for k in variant_keys if not k.endswith("overflow")], {peers.PYTREE: model})
     grads = jax.jit(jax.grad(model.loss_fn))(model.params, model.batch)
@@ -70,9 +72,7 @@ def measure(
                 fn, last = v.update, scaled if v.grad_scale != 1.0 else grads
             text = _compiled_text(fn, (model.params, opt_state, extra, last))
             if dump:
-                tag = re.sub(r"[^\w]+", "_", f"{name}_{precision}_{v.name}_{kind}").strip("_")
-                pathlib.Path(dump).mkdir(parents=True, exist_ok=True)
-                pathlib.Path(dump, f"{tag}.hlo.txt").write_text(text)
+                pathlib.Path(hlo.dump_path(dump, name, precision, v.name, kind)).write_text(text)
             found[v.name, kind] = hlo.kernels(text, int(min_mib * MIB))
     rows = []
     for (variant, kind), k in found.items():

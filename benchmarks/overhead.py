@@ -50,7 +50,7 @@ from typing import Any
 import jax
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _harness/ is next to this script, run or imported
-from _harness import cli, models, peers, provenance, tables, timing  # noqa: E402
+from _harness import cli, hlo, models, peers, provenance, tables, timing  # noqa: E402
 
 # Row names that speedup.py and the tests read.
 BARE, LS, LS_OVERFLOW, LS_FUSED, LS_FUSED_OVERFLOW = (
@@ -116,9 +116,8 @@ def benchmark_model(
     for v in variants:
         if v.same_as is not None:
             continue
-        tag = f"{name}_{precision}_{v.name}".replace(" ", "_").replace(".", "_").replace(":", "")
         for kind, fn in (("step", v.train_step), ("update", v.update)):
-            hlo_path = os.path.join(hlo_dir, f"{tag}_{kind}.hlo.txt") if hlo_dir else None
+            hlo_path = hlo.dump_path(hlo_dir, name, precision, v.name, kind) if hlo_dir else None
             exe, seconds = timing.compile_timed(fn, call_args(v, kind), (0, 1, 2), compiler_options, hlo_path)
             compiled[kind][v.name], compile_s[kind][v.name] = exe, seconds.total_s
             memory[kind][v.name] = timing.memory_mib(exe)

@@ -19,7 +19,7 @@ BENCH = ROOT / "benchmarks"
 # The harness as the scripts import it (each puts its own directory on
 # sys.path), so that the tests and the scripts they load share one module.
 sys.path.insert(0, str(BENCH.resolve()))
-from _harness import peers, provenance, tables, timing  # noqa: E402
+from _harness import hlo, peers, provenance, tables, timing  # noqa: E402
 
 HAS_MPX = importlib.util.find_spec("mpx") is not None
 
@@ -344,9 +344,6 @@ ENTRY %main (x: f32[1024], p: pred[]) -> f32[1024] {
 
 
 def test_the_hlo_reader_counts_kernels_and_their_bytes():
-    sys.path.insert(0, str(BENCH))
-    from _harness import hlo
-
     k = hlo.kernels(HLO_MODULE, min_bytes=4096)
     # fusion.1, the gemm, and each branch's kernel; the fused computation's
     # instructions, parameters, the get-tuple-element and the conditional are not kernels.
@@ -359,8 +356,11 @@ def test_the_hlo_reader_counts_kernels_and_their_bytes():
     assert sorted(name for name, *_ in k.large) == ["copy.1", "fusion.1", "fusion.2", "gemm"]
 
 
-def test_hlo_kernels_shows_what_each_path_adds_to_the_update(capsys):
-    rows = load("hlo_kernels").main(["--size", "quick", "--precisions", "f32", "--variants", "ls,apply-if-finite"])
+def test_hlo_kernels_shows_what_each_path_adds_to_the_update(capsys, tmp_path):
+    dump = tmp_path / "hlo"
+    rows = load("hlo_kernels").main(
+        ["--size", "quick", "--precisions", "f32", "--variants", "ls,apply-if-finite", "--dump", str(dump)]
+    )
     by_variant = {row["variant"]: row for row in rows}
     assert list(by_variant) == [peers.BARE, peers.LS, peers.APPLY_IF_FINITE]
     assert by_variant[peers.BARE]["extra_kernels"] == 0 and by_variant[peers.BARE]["extra_mib"] == 0
@@ -370,6 +370,11 @@ def test_hlo_kernels_shows_what_each_path_adds_to_the_update(capsys):
         assert by_variant[name]["extra_kernels"] > 0 and by_variant[name]["extra_mib"] >= params_mib
     [table] = printed_tables(capsys.readouterr().out)
     assert [row["variant"] for row in table] == list(by_variant)
+    # --dump: one program per variant, named by hlo.dump_path, the one the kernels were counted in.
+    names = ["mlp_f32_adam_bare_update", "mlp_f32_ls_dynamic_update", "mlp_f32_optax_apply_if_finite_update"]
+    assert sorted(p.name for p in dump.iterdir()) == [f"{n}.hlo.txt" for n in names]
+    counted = hlo.kernels((dump / "mlp_f32_ls_dynamic_update.hlo.txt").read_text(), 1 << 20)
+    assert counted.count == by_variant[peers.LS]["kernels"]
 
 
 def test_the_gpu_check_runs_through_on_a_cpu(tmp_path):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import re
 from collections.abc import Iterable
 
@@ -44,6 +45,14 @@ _ARRAY = re.compile(r"\b(pred|s4|u4|s8|u8|s16|u16|s32|u32|s64|u64|f8e4m3fn|f8e5m
                     r"|f32|f64|c64|c128)\[([\d,]*)\]")  # fmt: skip
 _NAME = re.compile(r"%([\w.\-]+)")
 _BITS = {"pred": 8, "c64": 64, "c128": 128}
+
+
+def dump_path(directory: str, *parts: str) -> str:
+    """The file in ``directory`` for one executable's optimized HLO: ``parts``
+    (model, precision, variant, kind) joined by ``_``, each with every run of
+    characters other than letters, digits and ``_`` made one ``_``."""
+    name = "_".join(re.sub(r"\W+", "_", part).strip("_") for part in parts)
+    return os.path.join(directory, f"{name}.hlo.txt")
 
 
 def _bytes(shape: str) -> int:

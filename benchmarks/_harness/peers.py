@@ -288,9 +288,7 @@ def _nnx_variant(name: str, model: Model, *, scaled: bool) -> Variant | str:
         return params, opt_state, extra, loss
 
     def applied(opt_state, extra):
-        if not scaled:
-            return jnp.array(True)
-        return jnp.logical_not(lsf.find_state(nnx.merge(graph, opt_state)).skipped)
+        return _applied_from_state(nnx.as_pure(nnx.merge(graph, opt_state).opt_state), extra)
 
     return Variant(name, PYTREE, init, train_step, update, applied, grad_scale=LOSS_SCALE if scaled else 1.0)
 
