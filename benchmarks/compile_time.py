@@ -19,9 +19,18 @@ variant is traced once, untimed, before the timed compiles, so that what JAX
 caches across traces is not charged to whichever compiles first; the timed
 repeats run interleaved, every variant once per repeat.
 
+With ``--model transformer --size large`` it times instead one model's
+whole train step and its update alone (``_harness/models.py``, the
+variants of ``_harness/peers.py``: bare Adam, ``ls.dynamic``,
+``optax.apply_if_finite``). With ``--target h100`` (``h200``, ``b200``,
+``a100``, ``t4``) every program is compiled for that GPU, deviceless, from
+shapes alone (``_harness/gpu.py``; the CUDA plugin of jax's version must be
+installed): XLA:GPU's compile time, measured on a machine without a GPU.
+
 Usage::
 
     python benchmarks/compile_time.py --out            # the measurement (~15-20 min on 2 CPU cores)
+    python benchmarks/compile_time.py --target h100 --model transformer --size large --repeats 1
     python benchmarks/compile_time.py --leaves 10,100 --optimizers sgd --repeats 1
     python benchmarks/compile_time.py --quick          # a smoke test, seconds
 
@@ -39,14 +48,18 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-import jax
-import jax.numpy as jnp
-import optax
-
-import loss_scale as ls
-
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # _harness/ is next to this script, run or imported
-from _harness import cli, provenance, tables, timing  # noqa: E402
+from _harness import gpu  # noqa: E402
+
+if __name__ == "__main__" and any(a == "--target" or a.startswith("--target=") for a in sys.argv):
+    gpu.configure_environment()  # before jax is imported
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import optax  # noqa: E402
+from _harness import cli, models, peers, provenance, tables, timing  # noqa: E402
+
+import loss_scale as ls  # noqa: E402
 
 OPTIMIZERS: dict[str, Callable[[], optax.GradientTransformation]] = {
     "sgd": lambda: optax.sgd(1e-3),
@@ -94,9 +107,11 @@ def measure(
     width: int,
     fused: bool,
     compiler_options: dict[str, Any] | None,
+    target: str | None = None,
 ) -> list[dict[str, Any]]:
     """One row per (leaf count, optimizer, variant): the median seconds of
-    each phase over ``repeats`` fresh compiles, and the ratios to bare."""
+    each phase over ``repeats`` fresh compiles, and the ratios to bare;
+    compiled for this machine's backend, or for GPU ``target``."""
     cases = [(opt, key) for opt in optimizers for key in variants]
 
     def compile_once(n: int, opt: str, key: str, trace_only: bool = False) -> timing.CompileTimes | None:
@@ -105,6 +120,8 @@ def measure(
         tx = VARIANTS[key][1](OPTIMIZERS[opt]())
         params = make_params(n, width)
         args = (params, tx.init(params), params)
+        if target is not None:
+            args = gpu.specs(args, target)
         if trace_only:
             jax.jit(update_fn(tx, fused)).trace(*args)
             return None
@@ -137,6 +154,49 @@ def measure(
     return rows
 
 
+MODEL_VARIANTS = ("bare", "ls", "apply-if-finite")
+
+
+def measure_model(
+    name: str, precision: str, size: str, variant_keys: Sequence[str], repeats: int, target: str | None
+) -> list[dict[str, Any]]:
+    """One row per (kind, variant) of model ``name``: the whole train step
+    and the update alone (params and state donated), the median seconds of
+    each phase over ``repeats`` fresh compiles, and the ratios to bare."""
+    model = models.build(name, precision, size) if target is None else models.build_abstract(name, precision, size)
+    variants, _ = peers.build(list(variant_keys), {peers.PYTREE: model})
+    variants = [v for v in variants if v.family == peers.PYTREE and v.same_as is None]
+    grads = jax.eval_shape(jax.grad(model.loss_fn), model.params, model.batch)
+    cases = []
+    for v in variants:
+        state, extra = jax.eval_shape(v.init, model.params)
+        for kind, fn, last in (("step", v.train_step, model.batch), ("update", v.update, grads)):
+            args = (model.params, state, extra, last)
+            cases.append((kind, v.name, fn, gpu.specs(args, target) if target is not None else args))
+    samples: dict[tuple[str, str], list[timing.CompileTimes]] = {(k, n): [] for k, n, _, _ in cases}
+    for _ in range(repeats):
+        for kind, variant, fn, args in cases:
+            samples[kind, variant].append(timing.compile_timed(fn, args, (0, 1, 2))[1])
+    rows = []
+    for (kind, variant), got in samples.items():
+        rows.append({
+            "leaves": len(jax.tree.leaves(model.params)),
+            "optimizer": f"adam, {kind}",
+            "variant": variant,
+            "key": variant,
+            "kind": kind,
+            "trace_lower_s": statistics.median(t.trace_lower_s for t in got),
+            "compile_s": statistics.median(t.compile_s for t in got),
+            "total_s": statistics.median(t.total_s for t in got),
+            "samples": [vars(t) for t in got],
+        })  # fmt: skip
+    for row in rows:
+        bare = next(r for r in rows if r["kind"] == row["kind"] and r["variant"] == peers.BARE)
+        for phase in ("trace_lower_s", "compile_s", "total_s"):
+            row[phase.replace("_s", "_ratio")] = row[phase] / bare[phase]
+    return rows
+
+
 def format_table(rows: list[dict[str, Any]]) -> str:
     cells = [
         [r["leaves"], r["optimizer"], r["variant"],
@@ -162,6 +222,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     parser.add_argument("--fused", action="store_true", help="time ls.apply_gradients instead of tx.update")
     parser.add_argument("--quick", action="store_true", help="few leaves, one repeat, fast compiles: a smoke test")
     parser.add_argument("--json", metavar="PATH", help="write the results to PATH as JSON")
+    parser.add_argument("--target", choices=gpu.TARGETS, help="compile for this GPU, deviceless")
+    parser.add_argument("--model", choices=models.MODELS, help="time this model's step and update instead")
+    parser.add_argument("--size", default="default", choices=models.SIZES, help="the model's size (with --model)")
+    parser.add_argument("--precision", default="mixed", choices=models.PRECISIONS, help="the model's (with --model)")
     cli.add_out(parser, "compile_time")
     args = parser.parse_args(argv)
     args.leaves = [int(n) for n in cli.split(args.leaves or ("4,16" if args.quick else "10,100,1000"))]
@@ -181,10 +245,24 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if args.target is not None:
+        gpu.require()
     env = provenance.environment(__file__, argv)
     report = tables.Report()
     report.print(provenance.header(env))
+    if args.target is not None:
+        report.print(f"compiled for {gpu.device_kind(args.target)} (--target {args.target}), deviceless")
     start = time.perf_counter()
+    if args.model is not None:
+        rows = measure_model(args.model, args.precision, args.size, MODEL_VARIANTS, args.repeats, args.target)
+        model = models.build_abstract(args.model, args.precision, args.size)
+        report.print(f"\n### Compile time of {model.description} ({args.precision}): the step and the update\n")
+        report.print(format_table(rows))
+        report.print(f"\nwall time {time.perf_counter() - start:.0f} s")
+        results = {"argv": list(argv) if argv is not None else sys.argv[1:], "environment": env, "rows": rows}
+        if args.out is not None:
+            report.save(args.out or tables.default_out("compile_time", args.target or env["backend"]))
+        return results
     rows = measure(
         args.leaves,
         args.optimizers,
@@ -193,6 +271,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         args.width,
         args.fused,
         timing.quick_compiler_options() if args.quick else None,
+        args.target,
     )
     wall_s = time.perf_counter() - start
     step = "ls.apply_gradients" if args.fused else "tx.update + optax.apply_updates"
@@ -213,7 +292,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     if args.out is not None:
-        report.save(args.out or tables.default_out("compile_time", env["backend"]))
+        report.save(args.out or tables.default_out("compile_time", args.target or env["backend"]))
     return results
 
 

@@ -98,8 +98,10 @@ class GradStats(NamedTuple):
     """What one pass over the scaled gradients tells about the unscaled ones.
 
     Attributes:
+      finite: bool, whether every gradient is finite once unscaled.
       leaf_finite: bool[n], one flag per leaf of the gradient tree (in
-        ``jax.tree.leaves`` order); non-floating leaves count as finite.
+        ``jax.tree.leaves`` order; non-floating leaves count as finite), or
+        ``None`` when not asked for.
       grad_max: float32, the largest unscaled magnitude (inf when a gradient
         is not finite).
       sq_norm: float32, the squared global norm of the unscaled gradients, or
@@ -109,7 +111,8 @@ class GradStats(NamedTuple):
         normal (6.1e-5), or ``None`` when not asked for.
     """
 
-    leaf_finite: jax.Array
+    finite: jax.Array
+    leaf_finite: jax.Array | None
     grad_max: jax.Array
     sq_norm: jax.Array | None
     underflow: jax.Array | None = None
@@ -197,6 +200,7 @@ def gradient_stats(
     with_norm: bool = False,
     with_underflow: bool = False,
     axis_name: AxisName | None = None,
+    per_leaf: bool = True,
 ) -> GradStats:
     """The finite check, the largest magnitude and optionally the norm and
     the underflow fractions.
@@ -211,6 +215,11 @@ def gradient_stats(
     the leaf's dtype), is finite: the unscale is monotonic, so the largest
     unscaled magnitude is the unscaled largest magnitude. That catches a
     finite gradient that overflows when divided by a scale below 1.
+
+    Without ``per_leaf`` no flag per leaf is kept: each batch is reduced
+    over all its axes, and the peaks and flags of the batches are combined
+    with elementwise operations, which XLA fuses into the kernel that reads
+    the result (a GPU runs no kernel of its own to gather them).
 
     With ``axis_name`` (inside ``shard_map`` or ``pmap``) every replica gets
     the same flags and maximum, so all take the same branch and keep the same
@@ -227,7 +236,7 @@ def gradient_stats(
     sums = {False: [], True: []}
     for batch in _batches(leaves, axis_name):
         values = batch.values
-        peak, finite = peak_and_finite(values, tuple(range(1, values.ndim)))
+        peak, finite = peak_and_finite(values, tuple(range(int(per_leaf), values.ndim)))
         groups.setdefault(peak.dtype, []).append((batch.indices, peak, finite))
         if with_norm or with_underflow:
             row = []
@@ -248,6 +257,9 @@ def gradient_stats(
                     jnp.float32(values.size - pad),
                 ]
             sums[batch.sharded].append(jnp.stack(row))
+    if not per_leaf:
+        totals = _totals(sums, with_norm, with_underflow, axis_name)
+        return _combined_stats(groups, scale, axis_name, totals, with_norm, with_underflow)
     order, flags, maxima = [], [], []
     for dtype, items in groups.items():
         # The peaks unscaled as the elements are, and rounded to their dtype
@@ -269,15 +281,61 @@ def gradient_stats(
     if axis_name is not None:
         leaf_finite = jax.lax.pmin(leaf_finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
         grad_max = jax.lax.pmax(grad_max, axis_name)
-    width = int(with_norm) + 3 * int(with_underflow)
-    totals = jnp.zeros((width,), jnp.float32)
+    finite = jnp.all(leaf_finite)
+    totals = _totals(sums, with_norm, with_underflow, axis_name)
+    sq_norm, underflow = _finish_sums(totals, finite, with_norm, with_underflow)
+    return GradStats(finite, leaf_finite, grad_max, sq_norm, underflow)
+
+
+def _totals(sums: dict[bool, list], with_norm: bool, with_underflow: bool, axis_name: AxisName | None) -> jax.Array:
+    """The batches' sums added up, those of sharded batches over ``axis_name``."""
+    totals = jnp.zeros((int(with_norm) + 3 * int(with_underflow),), jnp.float32)
     if sums[True]:
         totals = totals + jax.lax.psum(jnp.sum(jnp.stack(sums[True]), axis=0), axis_name)
     if sums[False]:
         totals = totals + jnp.sum(jnp.stack(sums[False]), axis=0)
-    sq_norm = jnp.where(jnp.all(leaf_finite), totals[0], jnp.inf) if with_norm else None
+    return totals
+
+
+def _finish_sums(
+    totals: jax.Array, finite: jax.Array, with_norm: bool, with_underflow: bool
+) -> tuple[jax.Array | None, jax.Array | None]:
+    """``(sq_norm, underflow)`` from the added-up sums."""
+    width = totals.shape[0]
+    sq_norm = jnp.where(finite, totals[0], jnp.inf) if with_norm else None
     underflow = None
     if with_underflow:
         zeros, tiny, count = totals[width - 3], totals[width - 2], totals[width - 1]
         underflow = jnp.stack([zeros, tiny]) / jnp.maximum(count, 1)
-    return GradStats(leaf_finite, grad_max, sq_norm, underflow)
+    return sq_norm, underflow
+
+
+def _fold(op, values: list[jax.Array]) -> jax.Array:
+    """``op`` over scalars as a balanced tree of elementwise operations
+    (depth log2 n), which XLA fuses into the kernel that reads the result;
+    a reduction over their concatenation would be a kernel of its own."""
+    while len(values) > 1:
+        values = [op(values[i], values[i + 1]) if i + 1 < len(values) else values[i] for i in range(0, len(values), 2)]
+    return values[0]
+
+
+def _combined_stats(
+    groups: dict, scale: jax.Array, axis_name: AxisName | None, totals: jax.Array, with_norm: bool, with_underflow: bool
+) -> GradStats:
+    """``GradStats`` without flags per leaf, from scalar peaks and flags per
+    batch: each dtype's largest peak is unscaled (the unscale is monotonic, so
+    the largest unscaled magnitude is the unscaled largest magnitude)."""
+    finite, maxima = [], []
+    for dtype, items in groups.items():
+        peak = _fold(jnp.maximum, [peak for _, peak, _ in items])
+        unscaled = nearest_on_grid(unscaled_value(peak, scale), dtype)
+        ok = _fold(jnp.logical_and, [flag for _, _, flag in items]) & jnp.isfinite(unscaled)
+        finite.append(ok)
+        maxima.append(jnp.where(ok, unscaled.astype(jnp.float32), jnp.inf))
+    all_finite = _fold(jnp.logical_and, finite) if finite else jnp.array(True)
+    grad_max = _fold(jnp.maximum, maxima) if maxima else jnp.zeros((), jnp.float32)
+    if axis_name is not None:
+        all_finite = jax.lax.pmin(all_finite.astype(jnp.int32), axis_name).astype(jnp.bool_)
+        grad_max = jax.lax.pmax(grad_max, axis_name)
+    sq_norm, underflow = _finish_sums(totals, all_finite, with_norm, with_underflow)
+    return GradStats(all_finite, None, grad_max, sq_norm, underflow)

@@ -140,12 +140,19 @@ def no_op(inner: optax.GradientTransformation, skip_nonfinite: bool = False) -> 
     (``loss_scale.for_dtype`` builds it with the options, which take effect
     as they do for ``dynamic``).
 
+    By default its update is the inner optimizer's and nothing else: the
+    gradients are not read before it, and the counters and the record of the
+    state pass through unchanged, so that the compiled step is the bare
+    optimizer's (on a GPU, no kernel more). The statistics are measured
+    where an option of ``for_dtype`` asks for one (``track_grad_norm``,
+    ``max_grad_norm``, ``track_underflow``, ``locate_overflows``; then
+    ``grad_max`` too) or with ``skip_nonfinite``.
+
     Args:
       inner: the optimizer to wrap.
       skip_nonfinite: by default the inner update runs on every step, even a
-        non-finite one, as the bare optimizer's would (the statistics are
-        still measured: ``grad_max`` is inf after a non-finite step); ``True``
-        skips non-finite steps as ``static(inner, 1.0)`` does.
+        non-finite one, as the bare optimizer's would; ``True`` checks the
+        gradients and skips non-finite steps as ``static(inner, 1.0)`` does.
 
     Returns:
       A ``LossScaleTransformation`` whose state is a ``LossScaleState``.
@@ -157,8 +164,12 @@ def no_op(inner: optax.GradientTransformation, skip_nonfinite: bool = False) -> 
       >>> float(ls.get_scale(state))
       1.0
       >>> updates, state = tx.update(jnp.array([3.0, -4.0]), state)
-      >>> updates, float(ls.metrics(state)["loss_scale/grad_max"])
-      (Array([-3.,  4.], dtype=float32), 4.0)
+      >>> updates, int(state.skipped_steps)
+      (Array([-3.,  4.], dtype=float32), 0)
+      >>> tx = ls.no_op(optax.sgd(1.0), skip_nonfinite=True)
+      >>> updates, state = tx.update(jnp.array([3.0, -4.0]), tx.init(jnp.zeros(2)))
+      >>> float(ls.metrics(state)["loss_scale/grad_max"])
+      4.0
     """
     return unscaled(inner, "no_op", {}, skip_nonfinite)
 

@@ -37,3 +37,13 @@ class Settings:
         """Whether the check also measures the global norm (recorded, or
         needed by the clip)."""
         return self.track_grad_norm or self.max_grad_norm is not None
+
+    @property
+    def reads_gradients(self) -> bool:
+        """Whether the update reads the gradients before the inner update:
+        to skip a non-finite step, or for a statistic or the clip. An
+        unchecked update that records nothing (``no_op``,
+        ``for_dtype(bfloat16)`` without options) is the inner update alone,
+        and its state's counters pass through untouched: no kernel, no byte
+        more than the bare optimizer."""
+        return self.check_finite or self.with_norm or self.track_underflow or self.locate_overflows

@@ -29,6 +29,7 @@ import optax
 
 from loss_scale._check import gradient_stats
 from loss_scale._errors import raise_when_stuck, warn_about_float16_state
+from loss_scale._grid import round_to
 from loss_scale._rules import Rule, RuleState, select
 from loss_scale._rules.segmented import SegmentedRule, SegmentPeaks
 from loss_scale._saturating import increment
@@ -37,7 +38,7 @@ from loss_scale._sharding import match_varying, zeros_like_shapes
 from loss_scale._skip import apply_or_skip, kept_inner_state
 from loss_scale._state import LossScaleState, SkipReason, StepRecord
 from loss_scale._trees import first_difference
-from loss_scale._unscale import is_float_leaf, unscale_tree
+from loss_scale._unscale import is_float_leaf, unscale_dtype, unscale_tree
 
 
 class LossScaleTransformation(optax.GradientTransformationExtraArgs):
@@ -119,11 +120,20 @@ def loss_scaled(inner: Any, rule: Rule, settings: Settings) -> LossScaleTransfor
                 "segments=...)), and this optimizer has none: measure with this optimizer's state"
             )
         loss = extra_args.get("value")
+        if not settings.reads_gradients:
+            # Nothing to check or record: the unscaled inner update, and the
+            # rule's counters and the record as they were.
+            out, inner_state = _unchecked(inner, grads, state, params, extra_args, apply_to_params)
+            return out, state._replace(inner_state=inner_state)
 
         # 1. Check: one read of every gradient, and of the loss when passed.
         # (No_op's unchecked update makes the same read for its statistics.)
-        stats = gradient_stats(grads, scale, settings.with_norm, settings.track_underflow, settings.axis_name)
-        grads_finite = jnp.all(stats.leaf_finite)
+        # Flags per leaf only where they are recorded or reported.
+        per_leaf = settings.locate_overflows or settings.max_consecutive_skips is not None
+        stats = gradient_stats(
+            grads, scale, settings.with_norm, settings.track_underflow, settings.axis_name, per_leaf=per_leaf
+        )
+        grads_finite = stats.finite
         loss_finite = _loss_finite(loss, settings.axis_name) if settings.check_finite else jnp.array(True)
         clip_factor = None
         if settings.max_grad_norm is not None:
@@ -210,6 +220,31 @@ def loss_scaled(inner: Any, rule: Rule, settings: Settings) -> LossScaleTransfor
 
     setattr(update_fn, FUSED_ATTRIBUTE, apply_gradients_fn)
     return LossScaleTransformation(init_fn, update_fn)
+
+
+def _unchecked(inner, grads, state, params, extra_args, apply_to_params):
+    """The inner update of the gradients divided by the state's scale: 1,
+    unless a state of a scaled run was restored into an unscaled one (a
+    power of two, then, by which the division is exact). Each leaf divides
+    by the scale itself, in the inner update's own pass: a reciprocal shared
+    by many leaves would be a kernel of its own on a GPU."""
+
+    def unscale(g):
+        if not is_float_leaf(g):
+            return g
+        wide = g.astype(unscale_dtype(g.dtype))
+        scale = state.scale.astype(wide.dtype)
+        # XLA:CPU fuses a multiplication into the optimizer's pass but
+        # materializes a division; XLA:GPU duplicates the division into each
+        # kernel but gives a reciprocal shared by many leaves a kernel of
+        # its own.
+        unscaled = jax.lax.platform_dependent(wide, scale, cpu=lambda x, s: x * (1 / s), default=lambda x, s: x / s)
+        return round_to(unscaled, g.dtype)
+
+    updates, inner_state = inner.update(jax.tree.map(unscale, grads), state.inner_state, params, **extra_args)
+    if apply_to_params:
+        return optax.apply_updates(params, updates), inner_state
+    return updates, inner_state
 
 
 def _apply_or_skip(go, apply, grads, inner_state, params, apply_to_params):

@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 
+import jax
 import pytest
 
 from tests import _simulation as simulation
@@ -375,6 +376,57 @@ def test_hlo_kernels_shows_what_each_path_adds_to_the_update(capsys, tmp_path):
     assert sorted(p.name for p in dump.iterdir()) == [f"{n}.hlo.txt" for n in names]
     counted = hlo.kernels((dump / "mlp_f32_ls_dynamic_update.hlo.txt").read_text(), 1 << 20)
     assert counted.count == by_variant[peers.LS]["kernels"]
+
+
+def test_the_unscaled_rows_move_no_more_bytes_than_bare_adam_on_the_cpu(capsys):
+    """On XLA:CPU the division by the scale is a multiplication by its
+    reciprocal (one scalar kernel), fused into the optimizer's pass: a
+    division there would be materialized, a pass more over the gradients."""
+    rows = load("hlo_kernels").main(
+        ["--models", "mlp,tree", "--size", "quick", "--precisions", "f32,mixed", "--variants", "ls-no-op,ls-bf16"]
+    )
+    bare = {(r["model"], r["precision"]): r for r in rows if r["variant"] == peers.BARE}
+    for row in rows:
+        base = bare[row["model"], row["precision"]]
+        assert row["kernels"] - base["kernels"] <= 1, row
+        assert abs(row["read_mib"] + row["written_mib"] - base["read_mib"] - base["written_mib"]) < 1e-3, row
+
+
+def test_a_gpu_target_without_the_plugin_says_why_and_exits():
+    """In the README's suite jax runs without the CUDA plugin (or without
+    JAX_PLATFORMS naming it): the scripts say so instead of failing deep
+    inside jax."""
+    from _harness import gpu
+
+    reason = gpu.unavailable()
+    if reason is None:
+        pytest.skip("this process can compile for a GPU (tests/test_gpu_program.py covers it)")
+    for script, argv in (("hlo_kernels", ["--target", "h100"]), ("compile_time", ["--target", "t4", "--quick"])):
+        with pytest.raises(SystemExit, match="cannot compile for a GPU here: "):
+            load(script).main(argv)
+
+
+def test_every_target_config_names_its_device():
+    from _harness import gpu
+
+    for name in gpu.TARGETS:
+        text = gpu.target_config(name)
+        assert "cuda_compute_capability" in text and 'platform_name: "CUDA"' in text
+    assert "major: 7 minor: 5" in gpu.target_config("t4")  # the free Colab GPU
+    with pytest.raises(ValueError, match="unknown GPU target 'v100'"):
+        gpu.target_config("v100")
+
+
+def test_abstract_models_hold_shapes_only():
+    from _harness import models
+
+    large = models.build_abstract("transformer", "mixed", "large")
+    assert all(isinstance(x, jax.ShapeDtypeStruct) for x in jax.tree.leaves((large.params, large.batch)))
+    assert models.n_params(large.params) > 2e8
+    real, shapes = models.build("tree", "f32", "quick"), models.build_abstract("tree", "f32", "quick")
+    assert jax.tree.structure(real.params) == jax.tree.structure(shapes.params)
+    assert [x.shape for x in jax.tree.leaves(real.params)] == [x.shape for x in jax.tree.leaves(shapes.params)]
+    assert len(jax.tree.leaves(models.build_abstract("tree", "f32", "gpu").params)) == 160
 
 
 def test_the_gpu_check_runs_through_on_a_cpu(tmp_path):

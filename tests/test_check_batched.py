@@ -50,17 +50,25 @@ def make_leaves(sizes, dtypes, poison, seed):
 
 
 def check(leaves, scale):
-    stats = jax.jit(gradient_stats, static_argnums=(2, 3))(
-        [jnp.asarray(x) for x in leaves], jnp.float32(scale), True, True
-    )
+    """Both forms of the check, with a flag per leaf and without (each batch
+    reduced whole, the batches combined elementwise), against numpy."""
     finite, peak, squares, underflow = numpy_stats(leaves, scale)
-    assert list(np.asarray(stats.leaf_finite)) == finite
-    if all(finite):
-        np.testing.assert_allclose(float(stats.grad_max), peak, rtol=1e-6)
-        np.testing.assert_allclose(float(stats.sq_norm), squares, rtol=1e-4)
-    else:
-        assert float(stats.grad_max) == np.inf
-    np.testing.assert_allclose(np.asarray(stats.underflow), underflow, rtol=1e-6)
+    for per_leaf in (True, False):
+        stats = jax.jit(gradient_stats, static_argnums=(2, 3, 4, 5))(
+            [jnp.asarray(x) for x in leaves], jnp.float32(scale), True, True, None, per_leaf
+        )
+        if per_leaf:
+            assert list(np.asarray(stats.leaf_finite)) == finite
+        else:
+            assert stats.leaf_finite is None
+        assert bool(stats.finite) == all(finite), per_leaf
+        if all(finite):
+            np.testing.assert_allclose(float(stats.grad_max), peak, rtol=1e-6)
+            np.testing.assert_allclose(float(stats.sq_norm), squares, rtol=1e-4)
+        else:
+            assert float(stats.grad_max) == np.inf
+            assert float(stats.sq_norm) == np.inf
+        np.testing.assert_allclose(np.asarray(stats.underflow), underflow, rtol=1e-6)
 
 
 def test_many_small_leaves_of_mixed_sizes_and_dtypes():

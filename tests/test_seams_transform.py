@@ -252,7 +252,8 @@ def test_overflows_are_located_in_every_precision(dtype, jit):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_axis_name_agrees_across_replicas_in_every_precision(dtype):
-    tx = ls.for_dtype(optax.sgd(1.0), dtype, axis_name="batch")
+    # track_grad_norm: the wider dtypes' no_op measures only when asked to.
+    tx = ls.for_dtype(optax.sgd(1.0), dtype, axis_name="batch", track_grad_norm=True)
     states = jax.vmap(lambda _: tx.init(jnp.zeros(2)))(jnp.arange(2))
     scale = ls.get_scale(tx.init(jnp.zeros(2)))
     grads = jnp.array([[1.0, 2.0], [7.0, -3.0]]) * scale
@@ -286,9 +287,14 @@ def test_max_consecutive_skips_raises_in_every_precision(dtype):
 
 
 @pytest.mark.parametrize(
-    "make", [ls.no_op, lambda inner: ls.for_dtype(inner, "bfloat16")], ids=["no_op", "for_dtype_bf16"]
+    "make",
+    [
+        lambda inner: ls.no_op(inner, skip_nonfinite=True),
+        lambda inner: ls.for_dtype(inner, "bfloat16", track_grad_norm=True),
+    ],
+    ids=["no_op_skipping", "for_dtype_bf16_norm"],
 )
-def test_grad_max_is_measured_without_the_check(make, jit):
+def test_grad_max_is_measured_where_asked_for(make, jit):
     tx = make(optax.sgd(1.0))
     state = tx.init(PARAMS)
     _, state = jit(tx.update)(scaled_grads(1.0, 1.0), state, PARAMS)
@@ -296,8 +302,32 @@ def test_grad_max_is_measured_without_the_check(make, jit):
     grads = scaled_grads(1.0, 1.0)
     grads["m"] = grads["m"].at[0, 0].set(jnp.nan)
     updates, state = jit(tx.update)(grads, state, PARAMS)
-    assert np.isnan(updates["m"][0, 0]) and not bool(state.skipped)  # applied, as before
     assert float(ls.metrics(state)["loss_scale/grad_max"]) == np.inf
+
+
+@pytest.mark.parametrize(
+    "make", [ls.no_op, lambda inner: ls.for_dtype(inner, "bfloat16")], ids=["no_op", "for_dtype_bf16"]
+)
+def test_an_unchecked_update_records_nothing_and_applies_every_step(make, jit):
+    """Without skipping or a statistic the update is the inner one alone (on
+    a GPU, the bare optimizer's program): nothing is measured or counted,
+    and a non-finite step is applied as the bare optimizer applies it."""
+    tx = make(optax.sgd(1.0))
+    start = tx.init(PARAMS)
+    _, state = jit(tx.update)(scaled_grads(1.0, 1.0), start, PARAMS)
+    grads = scaled_grads(1.0, 1.0)
+    grads["m"] = grads["m"].at[0, 0].set(jnp.nan)
+    updates, state = jit(tx.update)(grads, state, PARAMS)
+    assert np.isnan(updates["m"][0, 0]) and not bool(state.skipped)  # applied, as before
+    metrics = ls.metrics(state)
+    assert float(metrics["loss_scale/grad_max"]) == 0.0
+    assert int(metrics["loss_scale/skipped_steps"]) == 0 and int(state.good_steps) == 0
+    for old, new in zip(
+        jax.tree.leaves(start._replace(inner_state=None)),
+        jax.tree.leaves(state._replace(inner_state=None)),
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(old), np.asarray(new))
 
 
 # 4. Copying and pickling the transformation.

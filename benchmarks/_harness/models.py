@@ -8,6 +8,7 @@ backward, float32 loss), so gradients always arrive in float32.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import math
 from collections.abc import Callable, Sequence
@@ -21,7 +22,7 @@ PyTree = Any
 
 PRECISIONS = ("f32", "mixed")
 SIZES = ("quick", "default", "gpu", "large")
-MODELS = ("mlp", "transformer", "tiny")
+MODELS = ("mlp", "transformer", "tiny", "tree")
 
 
 class Model(NamedTuple):
@@ -54,9 +55,16 @@ def row(v: jax.Array, ndim: int) -> jax.Array:
     return v.reshape((1,) * (ndim - 1) + v.shape)
 
 
-def normal(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> jax.Array:
+# Set by ``build_abstract``: ``normal`` returns shapes instead of numbers.
+_ABSTRACT = contextvars.ContextVar("abstract", default=False)
+
+
+def normal(rng: np.random.Generator, shape: tuple[int, ...], std: float) -> jax.Array | jax.ShapeDtypeStruct:
     """Random float32 params drawn with NumPy: ``jax.random`` would compile
-    one XLA executable per shape, which dominates a smoke run's wall time."""
+    one XLA executable per shape, which dominates a smoke run's wall time.
+    Inside ``build_abstract``, the shape alone."""
+    if _ABSTRACT.get():
+        return jax.ShapeDtypeStruct(shape, jnp.float32)
     return jnp.asarray(rng.standard_normal(shape, np.float32) * np.float32(std))
 
 
@@ -282,9 +290,43 @@ TRANSFORMER_CONFIGS = {
 }
 
 
+# The tree of many leaves: its leaf count per size.
+TREE_LEAVES = {"quick": 4, "default": 40, "gpu": 160, "large": 160}
+
+
+def make_tree(precision: str, n_leaves: int, width: int = 256, seed: int = 0) -> Model:
+    """``n_leaves`` parameter leaves, ``[width, width]`` matrices and
+    ``[width]`` vectors alternating, each a layer of a residual stack: the
+    shape of a model of many small leaves, where a scaler's cost per leaf
+    (its check, its bookkeeping) shows."""
+    rng = np.random.default_rng(seed)
+    params = {
+        f"{i:03d}": normal(rng, (width, width), 1.0 / math.sqrt(width)) if i % 2 == 0 else jnp.zeros((width,))
+        for i in range(n_leaves)
+    }
+    batch = {"x": normal(rng, (8, width), 1.0)}
+    dtype = compute_dtype(precision)
+
+    def loss_fn(params: PyTree, batch: PyTree) -> jax.Array:
+        x = batch["x"].astype(dtype)
+        leaves = [params[k].astype(dtype) for k in sorted(params)]
+        for i in range(0, len(leaves), 2):
+            h = x @ leaves[i]
+            if i + 1 < len(leaves):
+                h = h + row(leaves[i + 1], 2)
+            x = x + jnp.tanh(h)
+        return jnp.mean(jnp.square(x.astype(jnp.float32)))
+
+    description = f"{n_leaves} leaves ({width}x{width} and {width}, alternating), batch 8"
+    return Model("tree", precision, description, params, batch, loss_fn)
+
+
 def build(name: str, precision: str, size: str = "default") -> Model:
-    """The benchmark's model ``name`` ("mlp", "transformer" or "tiny") at
-    ``size`` ("quick", "default" or "large"; the tiny MLP has one size)."""
+    """The benchmark's model ``name`` ("mlp", "transformer", "tiny" or
+    "tree") at ``size`` ("quick", "default", "gpu" or "large"; the tiny MLP
+    has one size; the tree's size is its leaf count, ``TREE_LEAVES``)."""
+    if name == "tree":
+        return make_tree(precision, TREE_LEAVES[size])
     if name == "mlp":
         sizes, batch_size = MLP_CONFIGS[size]
         return make_mlp(precision, sizes, batch_size)
@@ -294,6 +336,20 @@ def build(name: str, precision: str, size: str = "default") -> Model:
     if name == "transformer":
         return make_transformer(precision, **TRANSFORMER_CONFIGS[size])
     raise ValueError(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+
+
+def build_abstract(name: str, precision: str, size: str = "default") -> Model:
+    """``build(name, precision, size)`` with params and batch as
+    ``jax.ShapeDtypeStruct``s: nothing param-sized is drawn or allocated, so
+    a program can be compiled for a device (``gpu.compile_for``) from a
+    model that would not fit this machine's memory."""
+    token = _ABSTRACT.set(True)
+    try:
+        model = build(name, precision, size)
+    finally:
+        _ABSTRACT.reset(token)
+    shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (model.params, model.batch))
+    return model._replace(params=shapes[0], batch=shapes[1])
 
 
 def build_equinox(name: str, precision: str, size: str = "default") -> Model | None:

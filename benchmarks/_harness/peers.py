@@ -13,6 +13,9 @@ Variants, by key (``ALL``, in table order):
 * ``bare``: plain Adam, unscaled loss, no check: the baseline;
 * ``ls``: ``loss_scale.dynamic``, ``tx.update`` + ``optax.apply_updates``;
 * ``ls-fused``: the same transformation with ``ls.apply_gradients``;
+* ``ls-static``, ``ls-no-op``, ``ls-bf16``: ``loss_scale.static`` at the
+  same scale, ``loss_scale.no_op`` and ``loss_scale.for_dtype(bfloat16)``
+  (no scaling: the no-op's cost is the one to compare with bare Adam);
 * ``ls-trainstate``: ``loss_scale.flax.TrainState.apply_gradients``;
 * ``nnx-bare``, ``ls-nnx``: the same params held by an NNX module and
   trained by ``nnx.Optimizer(adam)``, and by ``loss_scale.flax.Optimizer``
@@ -56,6 +59,9 @@ BARE = "adam (bare)"
 LS = "ls.dynamic"
 LS_OVERFLOW = "ls.dynamic overflow"
 LS_FUSED = "ls.dynamic + ls.apply_gradients"
+LS_STATIC = "ls.static"
+LS_NO_OP = "ls.no_op"
+LS_BF16 = "ls.for_dtype(bfloat16)"
 LS_FUSED_OVERFLOW = "ls.dynamic + ls.apply_gradients overflow"
 LS_TRAIN_STATE = "ls.dynamic + loss_scale.flax.TrainState"
 NNX_BARE = "nnx: adam (bare), nnx.Optimizer"
@@ -151,12 +157,19 @@ def poison(tree: PyTree) -> PyTree:
 
 
 def _optax_variant(
-    name: str, tx: optax.GradientTransformation, model: Model, *, scaled: bool, fused: bool = False
+    name: str,
+    tx: optax.GradientTransformation,
+    model: Model,
+    *,
+    scaled: bool,
+    fused: bool = False,
+    scale: float = LOSS_SCALE,
 ) -> Variant:
     """A variant whose whole logic is one optax transformation: ``scaled``
     takes the gradients of the scaled loss with ``ls.value_and_grad``;
     ``fused`` applies them with ``ls.apply_gradients`` instead of
-    ``tx.update`` + ``optax.apply_updates``."""
+    ``tx.update`` + ``optax.apply_updates``; ``scale``: the scale of
+    ``tx``'s state (1 for the unscaled ones, which have no overflow row)."""
 
     def init(params):
         return tx.init(params), None
@@ -182,9 +195,9 @@ def _optax_variant(
         train_step,
         update,
         _applied_from_state,
-        grad_scale=LOSS_SCALE if scaled else 1.0,
+        grad_scale=scale if scaled else 1.0,
         baseline=None if name == BARE else BARE,
-        overflow_inputs=_scale_to_inf if scaled else None,
+        overflow_inputs=_scale_to_inf if scaled and scale != 1.0 else None,
     )
 
 
@@ -197,6 +210,21 @@ def ls_update(model: Model) -> Variant:
     """``ls.dynamic(adam)`` through the optax API: ``tx.update``, then
     ``optax.apply_updates`` outside."""
     return _optax_variant(LS, ls.dynamic(adam(), initial_scale=LOSS_SCALE), model, scaled=True)
+
+
+def ls_static(model: Model) -> Variant:
+    """``ls.static(adam)`` at the benchmark's scale, through the optax API."""
+    return _optax_variant(LS_STATIC, ls.static(adam(), scale=LOSS_SCALE), model, scaled=True)
+
+
+def ls_no_op(model: Model) -> Variant:
+    """``ls.no_op(adam)``: scale 1, nothing checked, the same state layout."""
+    return _optax_variant(LS_NO_OP, ls.no_op(adam()), model, scaled=True, scale=1.0)
+
+
+def ls_bf16(model: Model) -> Variant:
+    """``ls.for_dtype(adam, bfloat16)``: what a bfloat16 run gets."""
+    return _optax_variant(LS_BF16, ls.for_dtype(adam(), jnp.bfloat16), model, scaled=True, scale=1.0)
 
 
 def ls_fused(model: Model) -> Variant:
@@ -570,6 +598,9 @@ BUILDERS: dict[str, Callable[[Model], Variant | str]] = {
     "bare": bare,
     "ls": ls_update,
     "ls-fused": ls_fused,
+    "ls-static": ls_static,
+    "ls-no-op": ls_no_op,
+    "ls-bf16": ls_bf16,
     "ls-trainstate": ls_train_state,
     "nnx-bare": nnx_bare,
     "ls-nnx": ls_nnx,
@@ -588,12 +619,15 @@ OVERFLOWS = {
     "mpx-overflow": ("mpx", MPX_OVERFLOW),
 }
 ALL = (
-    "bare", "ls", "ls-overflow", "ls-fused", "ls-fused-overflow", "ls-trainstate", "nnx-bare", "ls-nnx",
+    "bare", "ls", "ls-overflow", "ls-fused", "ls-fused-overflow", "ls-static", "ls-no-op", "ls-bf16",
+    "ls-trainstate", "nnx-bare", "ls-nnx",
     "apply-if-finite", "jmp", "flax",
     "eqx-bare", "eqx-ls", "eqx-ls-overflow", "mpx", "mpx-overflow",
 )  # fmt: skip
 # The flax paths (two compiles each) run when asked for by name.
-DEFAULT = tuple(key for key in ALL if key not in ("ls-trainstate", "nnx-bare", "ls-nnx"))
+DEFAULT = tuple(
+    key for key in ALL if key not in ("ls-static", "ls-no-op", "ls-bf16", "ls-trainstate", "nnx-bare", "ls-nnx")
+)
 EQUINOX_KEYS = ("eqx-bare", "eqx-ls", "eqx-ls-overflow", "mpx", "mpx-overflow")
 
 

@@ -1,0 +1,480 @@
+"""The program an H100 runs, compiled here without a GPU.
+
+XLA:GPU compiles for a target config (``benchmarks/gpu_targets/``) with the
+CUDA plugin of jax's version and no GPU (``benchmarks/_harness/gpu.py``).
+These tests read what it made: how many kernels each update and step runs
+(``_harness/hlo.py``, deterministic for one jax version), the operand dtypes
+of its GEMMs, that no host callback runs in a step, that the roundings of
+``ls.low_precision`` survived the compiler. Every path that a user trains
+with compiles.
+
+They need the plugin and ``JAX_PLATFORMS=cpu,cuda`` (with
+``JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1``) set before jax is imported, as
+``.ci/run`` does::
+
+    pip install "jax-cuda12-plugin==$V" "jax-cuda12-pjrt==$V"   # V: jax's version
+    JAX_PLATFORMS=cpu,cuda JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 python -m pytest tests/test_gpu_program.py
+
+Without them every test skips and says why.
+"""
+
+import re
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import loss_scale as ls
+from tests._scripts import ROOT, load_script
+
+sys.path.insert(0, str(ROOT / "benchmarks"))
+from _harness import gpu, hlo, models  # noqa: E402
+
+REASON = gpu.unavailable()
+pytestmark = pytest.mark.skipif(REASON is not None, reason=f"no deviceless GPU compilation: {REASON}")
+if REASON is None:
+    # An executable compiled for a GPU cannot be read back from the
+    # persistent cache by a process without one.
+    jax.config.update("jax_enable_compilation_cache", False)
+TARGET = "h100"
+MIB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def hlo_kernels():
+    return load_script(ROOT / "benchmarks" / "hlo_kernels.py", "hlo_kernels_script")
+
+
+def kernels_of(fn, *args, donate=(), target=TARGET) -> hlo.Kernels:
+    return hlo.kernels(gpu.compile_for(target, fn, args, donate).as_text())
+
+
+def compiled_text(fn, *args, donate=(), target=TARGET) -> str:
+    return gpu.compile_for(target, fn, args, donate).as_text()
+
+
+# ---------------------------------------------------------------------------
+# The kernel budget
+# ---------------------------------------------------------------------------
+
+UNSCALED = ("ls-no-op", "ls-bf16")
+PEERS = ("apply-if-finite", "jmp", "flax")
+SCALERS = ("ls", "ls-fused", "ls-static", "ls-nnx")
+
+
+def budget_rows(hlo_kernels, name, precision, size, kinds, variants):
+    rows = hlo_kernels.measure(name, precision, size, ["bare", *variants], kinds, 1.0, target=TARGET)
+    return {(r["variant"], r["kind"]): r for r in rows}
+
+
+@pytest.mark.parametrize(
+    "name,size,precision",
+    [
+        *((name, size, precision) for name, size in (("tree", "quick"), ("mlp", "quick"), ("mlp", "default"))
+          for precision in ("f32", "mixed")),
+        ("tree", "default", "mixed"),
+        ("tree", "gpu", "f32"),
+    ],
+)  # fmt: skip
+def test_no_op_and_bfloat16_add_no_kernel_and_no_byte(hlo_kernels, name, size, precision):
+    """No kernel more than bare Adam's, and no byte more but the 4 of the
+    scale that each kernel reads to divide by it (1 unless a scaled run's
+    state was restored)."""
+    from _harness import peers
+
+    rows = budget_rows(hlo_kernels, name, precision, size, ["update", "step"], UNSCALED)
+    for kind in ("update", "step"):
+        bare = rows[peers.BARE, kind]
+        for label in (peers.LS_NO_OP, peers.LS_BF16):
+            row = rows[label, kind]
+            assert row["kernels"] == bare["kernels"], f"{label} {kind}: {row['kernels']} against {bare['kernels']}"
+            assert row["written_mib"] == bare["written_mib"], (label, kind)
+            scalars = row["kernels"] * 4 / MIB
+            assert 0 <= row["read_mib"] - bare["read_mib"] <= scalars, (label, kind, row["read_mib"], bare["read_mib"])
+
+
+def test_no_op_measures_again_when_a_statistic_is_asked_for():
+    params = {"w": jnp.zeros((512, 512)), "b": jnp.zeros((512,))}
+
+    def step(tx):
+        def update(params, state, grads):
+            updates, state = tx.update(grads, state, params)
+            return optax.apply_updates(params, updates), state
+
+        state = jax.eval_shape(tx.init, params)
+        return kernels_of(update, params, state, params, donate=(0, 1)).count
+
+    bare, no_op = step(optax.adam(1e-3)), step(ls.no_op(optax.adam(1e-3)))
+    assert no_op == bare
+    assert step(ls.no_op(optax.adam(1e-3), skip_nonfinite=True)) > bare
+    assert step(ls.for_dtype(optax.adam(1e-3), jnp.bfloat16, track_grad_norm=True)) > bare
+
+
+@pytest.mark.parametrize("name,size", [("tree", "gpu"), ("tree", "default")])
+def test_the_scalers_add_fewer_kernels_than_the_peers_on_many_leaves(hlo_kernels, name, size):
+    from _harness import peers
+
+    rows = budget_rows(hlo_kernels, name, "f32", size, ["update"], ("ls", *PEERS))
+    fewest = min(rows[label, "update"]["extra_kernels"] for label in (peers.APPLY_IF_FINITE, peers.JMP, peers.FLAX))
+    for label in (peers.LS,):
+        assert rows[label, "update"]["extra_kernels"] <= fewest, (label, rows[label, "update"]["extra_kernels"], fewest)
+
+
+@pytest.mark.parametrize("name,size", [("tree", "quick"), ("mlp", "quick"), ("mlp", "default")])
+@pytest.mark.parametrize("precision", ["f32", "mixed"])
+def test_the_scalers_update_reads_the_gradients_once_more_than_bare_adam(hlo_kernels, name, size, precision):
+    from _harness import peers
+
+    rows = budget_rows(hlo_kernels, name, precision, size, ["update"], ("ls", "ls-fused", "ls-static"))
+    params_mib = sum(
+        x.size * x.dtype.itemsize for x in jax.tree.leaves(models.build_abstract(name, "f32", size).params)
+    )
+    for label in (peers.LS, peers.LS_FUSED, peers.LS_STATIC):
+        extra = rows[label, "update"]["extra_mib"] / (params_mib / MIB)
+        assert extra == pytest.approx(1.0, abs=0.02), (label, extra)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="each scalar field of LossScaleState is a buffer of its own, updated by a kernel of its own; "
+    "the packed layout that puts them in one kernel is not built yet",
+)
+@pytest.mark.parametrize("name,size", [("tree", "quick"), ("mlp", "default")])
+def test_the_scalers_add_no_more_kernels_than_the_leanest_peer(hlo_kernels, name, size):
+    from _harness import peers
+
+    rows = budget_rows(hlo_kernels, name, "f32", size, ["update", "step"], (*SCALERS, *PEERS))
+    for kind in ("update", "step"):
+        fewest = min(rows[label, kind]["extra_kernels"] for label in (peers.APPLY_IF_FINITE, peers.JMP, peers.FLAX))
+        for label in (peers.LS, peers.LS_FUSED, peers.LS_STATIC, peers.LS_NNX):
+            assert rows[label, kind]["extra_kernels"] <= fewest, (label, kind, rows[label, kind]["extra_kernels"])
+
+
+def test_the_budget_counts_a_kernel_more():
+    """The counting sees one scalar field more: a state with an extra
+    counter, updated apart, costs a kernel."""
+    params = {"w": jnp.zeros((256, 256))}
+
+    def with_counter(update):
+        def counted(params, state, counter, grads):
+            params, state = update(params, state, grads)
+            return params, state, counter + jnp.all(jnp.isfinite(grads["w"])).astype(jnp.int32)
+
+        return counted
+
+    tx = optax.adam(1e-3)
+
+    def update(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = jax.eval_shape(tx.init, params)
+    bare = kernels_of(update, params, state, params, donate=(0, 1)).count
+    counted = kernels_of(with_counter(update), params, state, jnp.zeros((), jnp.int32), params, donate=(0, 1, 2))
+    assert counted.count > bare
+
+
+# ---------------------------------------------------------------------------
+# Every public path compiles, with no host callback in a step
+# ---------------------------------------------------------------------------
+
+CALLBACK = re.compile(r"custom_call_target=\"[^\"]*(callback|host)[^\"]*\"", re.IGNORECASE)
+
+
+def assert_no_callback(text: str) -> None:
+    found = CALLBACK.findall(text)
+    assert not found, f"the step calls the host: {found}"
+
+
+PARAMS = {"w1": jnp.zeros((64, 128)), "b1": jnp.zeros((128,)), "w2": jnp.zeros((128, 10)), "b2": jnp.zeros((10,))}
+BATCH = (jnp.zeros((32, 64)), jnp.zeros((32,), jnp.int32))
+
+
+def mlp_loss(params, x, y, dtype=jnp.float16):
+    h = jax.nn.relu(x.astype(dtype) @ params["w1"].astype(dtype) + params["b1"].astype(dtype)[None])
+    logits = (h @ params["w2"].astype(dtype) + params["b2"].astype(dtype)[None]).astype(jnp.float32)
+    return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+
+def f32_loss(params, x, y):
+    return mlp_loss(params, x, y, jnp.float32)
+
+
+TRANSFORMATIONS = {
+    "dynamic": lambda: ls.dynamic(optax.adam(1e-3)),
+    "dynamic_all_options": lambda: ls.dynamic(
+        optax.adam(1e-3), max_grad_norm=1.0, track_underflow=True, locate_overflows=True
+    ),
+    "static": lambda: ls.static(optax.adam(1e-3), scale=1024.0),
+    "no_op": lambda: ls.no_op(optax.adam(1e-3)),
+    "no_op_skipping": lambda: ls.no_op(optax.adam(1e-3), skip_nonfinite=True),
+    "for_dtype_bf16": lambda: ls.for_dtype(optax.adam(1e-3), jnp.bfloat16),
+    "predictive": lambda: ls.predictive(optax.adam(1e-3)),
+    "torch_preset": lambda: ls.presets.torch(optax.adam(1e-3)),
+    "deepspeed_preset": lambda: ls.presets.deepspeed(optax.adam(1e-3)),
+    "multisteps": lambda: ls.dynamic(optax.MultiSteps(optax.adam(1e-3), 2)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMATIONS))
+@pytest.mark.parametrize("fused", [False, True])
+def test_every_rule_compiles_for_the_gpu_with_no_host_callback(name, fused):
+    tx = TRANSFORMATIONS[name]()
+
+    def step(params, state, x, y):
+        loss, grads = ls.value_and_grad(mlp_loss)(state, params, x, y)
+        if fused:
+            params, state = ls.apply_gradients(tx, grads, state, params, value=loss)
+        else:
+            updates, state = tx.update(grads, state, params, value=loss)
+            params = optax.apply_updates(params, updates)
+        return params, state, loss
+
+    state = jax.eval_shape(tx.init, PARAMS)
+    assert_no_callback(compiled_text(step, PARAMS, state, *BATCH, donate=(0, 1)))
+
+
+def test_value_grad_and_peak_and_the_predictive_update_compile():
+    tx = ls.predictive(optax.adam(1e-3))
+
+    def step(params, state, x, y):
+        loss, grads, peak = ls.value_grad_and_peak(mlp_loss)(state, params, x, y)
+        updates, state = tx.update(grads, state, params, backward_peak=peak)
+        return optax.apply_updates(params, updates), state, loss
+
+    state = jax.eval_shape(tx.init, PARAMS)
+    assert_no_callback(compiled_text(step, PARAMS, state, *BATCH, donate=(0, 1)))
+
+
+def test_segments_compile():
+    def loss_fn(params, x, y):
+        h = jax.nn.relu(x.astype(jnp.float16) @ params["w1"].astype(jnp.float16))
+        h = ls.segment(h, "hidden")
+        logits = (h @ params["w2"].astype(jnp.float16)).astype(jnp.float32)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+    params = {"w1": PARAMS["w1"], "w2": PARAMS["w2"]}
+    tx = ls.predictive(optax.adam(1e-3), segments=("hidden",))
+
+    def step(params, state, x, y):
+        loss, grads, peak = ls.value_grad_and_peak(loss_fn)(state, params, x, y)
+        updates, state = tx.update(grads, state, params, backward_peak=peak)
+        return optax.apply_updates(params, updates), state, loss
+
+    state = jax.eval_shape(tx.init, params)
+    assert_no_callback(compiled_text(step, params, state, *BATCH, donate=(0, 1)))
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "kahan", "stochastic"])
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_low_precision_roundings_survive_in_the_gpu_program(rounding, dtype):
+    """A rounding written as a cast round trip would be deleted by XLA:GPU;
+    the library's are ``reduce-precision`` (nearest, Kahan) and integer bit
+    operations (stochastic), which the compiled program must still hold."""
+    dtype = jnp.dtype(dtype)
+    params = jax.tree.map(lambda x: x.astype(dtype), PARAMS)
+    tx = ls.low_precision(optax.adamw(1e-3), rounding, state_dtype=dtype)
+    if dtype == jnp.float16:
+        tx = ls.dynamic(tx)
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    state = jax.eval_shape(tx.init, params)
+    text = compiled_text(step, params, state, params, donate=(0, 1))
+    assert_no_callback(text)
+    if rounding in ("nearest", "kahan"):
+        assert "reduce-precision(" in text, "the rounding to the half grid is gone from the program"
+    else:
+        assert "shift-right-logical(" in text and "xor(" in text, "the stochastic rounding's bits are gone"
+
+
+def transformer_f32():
+    return models.build_abstract("transformer", "f32", "quick")
+
+
+@pytest.mark.parametrize("builder", ["mlp", "transformer"])
+def test_autocast_products_are_float16_gemms(builder):
+    if builder == "mlp":
+        loss_fn, params, batch = f32_loss, PARAMS, BATCH
+    else:
+        model = transformer_f32()
+        loss_fn, params, batch = model.loss_fn, model.params, (model.batch,)
+    tx = ls.dynamic(optax.adam(1e-3))
+
+    def step(params, state, *batch):
+        loss, grads = ls.value_and_grad(ls.autocast(loss_fn, dtype=jnp.float16))(state, params, *batch)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    state = jax.eval_shape(tx.init, params)
+    text = compiled_text(step, params, state, *batch, donate=(0, 1))
+    assert_no_callback(text)
+    products = gemm_operand_dtypes(text)
+    assert products, "no product found in the program"
+    wide = [p for p in products if set(p) != {"f16"}]
+    assert not wide, f"products not in float16: {wide} of {len(products)}"
+
+
+DEFINITION = re.compile(r"^\s*(?:ROOT\s+)?%([\w.\-]+) = \(?(\w+)\[")
+PRODUCT = re.compile(r" (dot|convolution|custom-call)\(([^)]*)\)(.*)$")
+
+
+def gemm_operand_dtypes(text: str) -> list[tuple[str, ...]]:
+    """The operand dtypes of each product the program runs: every ``dot``
+    and ``convolution``, inside a GEMM fusion (Triton) or alone, read where
+    the product reads them (after the casts fused into the GEMM), and every
+    cuBLAS call."""
+    found, dtypes = [], {}
+    for line in text.splitlines():
+        if line.rstrip().endswith("{") and "->" in line:
+            dtypes = {}  # a new computation: its own names
+            continue
+        definition = DEFINITION.match(line)
+        if definition is None:
+            continue
+        dtypes[definition.group(1)] = definition.group(2)
+        product = PRODUCT.search(line)
+        if product is None:
+            continue
+        if product.group(1) == "custom-call" and "__cublas$" not in product.group(3):
+            continue
+        operands = re.findall(r"%([\w.\-]+)", product.group(2))
+        found.append(tuple(dtypes.get(name, "?") for name in operands))
+    return found
+
+
+def test_the_gemm_reader_sees_a_float32_product():
+    def f(a, b):
+        return a @ b
+
+    text = compiled_text(f, jnp.zeros((256, 256)), jnp.zeros((256, 256)))
+    products = gemm_operand_dtypes(text)
+    assert products and all("f32" in p for p in products), products
+    text = compiled_text(f, jnp.zeros((256, 256), jnp.float16), jnp.zeros((256, 256), jnp.float16))
+    assert {p for p in gemm_operand_dtypes(text)} == {("f16", "f16")}
+
+
+def test_the_flax_and_equinox_helpers_compile():
+    import equinox as eqx
+    from flax import nnx
+
+    import loss_scale.equinox as lsq
+    import loss_scale.flax as lsf
+
+    model = eqx.nn.MLP(64, 10, 128, 2, key=jax.random.key(0))
+    tx = ls.dynamic(optax.adam(1e-3))
+
+    def eqx_loss(model, x, y):
+        logits = jax.vmap(model)(x)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+    def eqx_step(model, state, x, y):
+        loss, grads = lsq.filter_value_and_grad(eqx_loss)(state, model, x, y)
+        model, state = lsq.apply_gradients(tx, grads, state, model)
+        return model, state, loss
+
+    arrays, static = eqx.partition(model, eqx.is_array)
+    state = jax.eval_shape(tx.init, eqx.filter(arrays, eqx.is_inexact_array))
+
+    def eqx_arrays_step(arrays, state, x, y):
+        model, state, loss = eqx_step(eqx.combine(arrays, static), state, x, y)
+        return eqx.filter(model, eqx.is_array), state, loss
+
+    assert_no_callback(compiled_text(eqx_arrays_step, arrays, state, *BATCH))
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.a = nnx.Linear(64, 128, rngs=rngs)
+            self.b = nnx.Linear(128, 10, rngs=rngs)
+
+        def __call__(self, x):
+            return self.b(jax.nn.relu(self.a(x)))
+
+    net = Net(nnx.Rngs(0))
+    optimizer = lsf.Optimizer(net, ls.dynamic(optax.adam(1e-3)), wrt=nnx.Param)
+    graphdef, nnx_state = nnx.split((net, optimizer))
+
+    def nnx_loss(net, x, y):
+        logits = net(x)
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
+
+    def nnx_step(nnx_state, x, y):
+        net, optimizer = nnx.merge(graphdef, nnx_state)
+        loss, grads = lsf.nnx_value_and_grad(nnx_loss)(optimizer, net, x, y)
+        optimizer.update(net, grads)
+        return nnx.state((net, optimizer)), loss
+
+    assert_no_callback(compiled_text(nnx_step, nnx_state, *BATCH, donate=(0,)))
+
+    train_state = lsf.TrainState.create(apply_fn=None, params=PARAMS, tx=ls.dynamic(optax.adam(1e-3)))
+
+    def linen_step(train_state, x, y):
+        loss, grads = ls.value_and_grad(mlp_loss)(train_state.opt_state, train_state.params, x, y)
+        return train_state.apply_gradients(grads=grads), loss
+
+    assert_no_callback(compiled_text(linen_step, train_state, *BATCH, donate=(0,)))
+
+
+def test_a_four_gpu_shard_map_step_compiles():
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    mesh = gpu.mesh(TARGET, 4)
+    tx = ls.dynamic(optax.adam(1e-3), axis_name="d")
+
+    def local_step(params, state, x, y):
+        loss, grads = ls.value_and_grad(mlp_loss)(state, params, x, y)
+        grads = jax.lax.pmean(grads, "d")
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, jax.lax.pmean(loss, "d")
+
+    state = jax.eval_shape(tx.init, PARAMS)
+    replicated, batched = PartitionSpec(), PartitionSpec("d")
+    step = jax.shard_map(
+        local_step,
+        mesh=mesh,
+        in_specs=(replicated, replicated, batched, batched),
+        out_specs=(replicated, replicated, replicated),
+        check_vma=False,
+    )
+
+    def spec(x, p):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=NamedSharding(mesh, p))
+
+    args = (
+        jax.tree.map(lambda x: spec(x, replicated), PARAMS),
+        jax.tree.map(lambda x: spec(x, replicated), state),
+        spec(jnp.zeros((128, 64)), batched),
+        spec(jnp.zeros((128,), jnp.int32), batched),
+    )
+    text = jax.jit(step).lower(*args).compile().as_text()
+    assert_no_callback(text)
+    assert "all-reduce" in text
+
+
+@pytest.mark.parametrize("target", gpu.TARGETS)
+def test_every_target_config_compiles_a_step(target):
+    tx = ls.dynamic(optax.adam(1e-3))
+
+    def step(params, state, x, y):
+        loss, grads = ls.value_and_grad(mlp_loss)(state, params, x, y)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state, loss
+
+    state = jax.eval_shape(tx.init, PARAMS)
+    compiled = gpu.compile_for(target, step, (PARAMS, state, *BATCH), donate_argnums=(0, 1))
+    assert hlo.kernels(compiled.as_text()).count > 0
+    assert compiled.memory_analysis().temp_size_in_bytes >= 0
+    assert gpu.device_kind(target) == gpu.target_config(target).split('device_description_str: "')[1].split('"')[0]
+
+
+def test_the_large_transformer_compiles_from_shapes_alone(hlo_kernels):
+    """218M parameters: never allocated, only their shapes travel."""
+    model = models.build_abstract("transformer", "mixed", "large")
+    assert sum(np.prod(x.shape) for x in jax.tree.leaves(model.params)) > 2e8
+    rows = hlo_kernels.measure("transformer", "mixed", "large", ["bare", "ls"], ["update"], 1.0, target=TARGET)
+    assert {r["variant"] for r in rows} == {"adam (bare)", "ls.dynamic"}
