@@ -140,8 +140,15 @@ class RangeReport(NamedTuple):
         boundaries change); ``None`` otherwise.
 
     Examples:
+      A softmax written out, so that each of its operations is a row (from
+      jax 0.12.1, ``jax.nn.softmax`` is a ``jax.custom_jvp`` function,
+      which the report keeps whole: one row, ``custom_jvp_call``):
+
       >>> import jax, jax.numpy as jnp, loss_scale as ls
-      >>> loss_fn = lambda w, x: jnp.log(jax.nn.softmax(x @ w))[:, 0].mean()
+      >>> def softmax(z):
+      ...     e = jnp.exp(z - z.max(axis=-1, keepdims=True))
+      ...     return e / e.sum(axis=-1, keepdims=True)
+      >>> loss_fn = lambda w, x: jnp.log(softmax(x @ w))[:, 0].mean()
       >>> w, x = jnp.linspace(-3.0, 3.0, 64).reshape(4, 16), jnp.ones((8, 4))
       >>> report = ls.range_report(loss_fn, w, x, scale=2.0**15, compute_dtype="float16")
       >>> report.scale, report.max_safe_scale, len(report.overflowing) > 0
