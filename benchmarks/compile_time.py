@@ -256,31 +256,26 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if args.model is not None:
         rows = measure_model(args.model, args.precision, args.size, MODEL_VARIANTS, args.repeats, args.target)
         model = models.build_abstract(args.model, args.precision, args.size)
-        report.print(f"\n### Compile time of {model.description} ({args.precision}): the step and the update\n")
-        report.print(format_table(rows))
-        report.print(f"\nwall time {time.perf_counter() - start:.0f} s")
-        results = {"argv": list(argv) if argv is not None else sys.argv[1:], "environment": env, "rows": rows}
-        if args.out is not None:
-            report.save(args.out or tables.default_out("compile_time", args.target or env["backend"]))
-        return results
-    rows = measure(
-        args.leaves,
-        args.optimizers,
-        args.variants,
-        args.repeats,
-        args.width,
-        args.fused,
-        timing.quick_compiler_options() if args.quick else None,
-        args.target,
-    )
+        title = f"Compile time of {model.description} ({args.precision}): the step and the update"
+    else:
+        rows = measure(
+            args.leaves,
+            args.optimizers,
+            args.variants,
+            args.repeats,
+            args.width,
+            args.fused,
+            timing.quick_compiler_options() if args.quick else None,
+            args.target,
+        )
+        step = "ls.apply_gradients" if args.fused else "tx.update + optax.apply_updates"
+        title = (
+            f"Optimizer update compile time ({step}), leaves alternating [{args.width}, {args.width}] and "
+            f"[{args.width}] float32; median of {args.repeats} compile(s)"
+            + (" (quick: XLA optimizations reduced; a smoke test, not a measurement)" if args.quick else "")
+        )
     wall_s = time.perf_counter() - start
-    step = "ls.apply_gradients" if args.fused else "tx.update + optax.apply_updates"
-    report.print(
-        f"\n### Optimizer update compile time ({step}), leaves alternating [{args.width}, {args.width}] and "
-        f"[{args.width}] float32; median of {args.repeats} compile(s)"
-        + (" (quick: XLA optimizations reduced; a smoke test, not a measurement)" if args.quick else "")
-        + "\n"
-    )
+    report.print(f"\n### {title}\n")
     report.print(format_table(rows))
     report.print(
         "\ntrace+lower: jax.jit(f).trace(...).lower() (Python, JAX); compile: .compile() (XLA). "

@@ -127,7 +127,7 @@ def loss_scaled(inner: Any, rule: Rule, settings: Settings) -> LossScaleTransfor
             return out, state._replace(inner_state=inner_state)
 
         # 1. Check: one read of every gradient, and of the loss when passed.
-        # (No_op's unchecked update makes the same read for its statistics.)
+        # (An unchecked update that records a statistic makes the same read.)
         # Flags per leaf only where they are recorded or reported.
         per_leaf = settings.locate_overflows or settings.max_consecutive_skips is not None
         stats = gradient_stats(
@@ -225,9 +225,8 @@ def loss_scaled(inner: Any, rule: Rule, settings: Settings) -> LossScaleTransfor
 def _unchecked(inner, grads, state, params, extra_args, apply_to_params):
     """The inner update of the gradients divided by the state's scale: 1,
     unless a state of a scaled run was restored into an unscaled one (a
-    power of two, then, by which the division is exact). Each leaf divides
-    by the scale itself, in the inner update's own pass: a reciprocal shared
-    by many leaves would be a kernel of its own on a GPU."""
+    power of two, then, by which the division is exact), in the inner
+    update's own pass on the CPU and on a GPU (see the comment below)."""
 
     def unscale(g):
         if not is_float_leaf(g):

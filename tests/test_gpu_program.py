@@ -48,12 +48,12 @@ def hlo_kernels():
     return load_script(ROOT / "benchmarks" / "hlo_kernels.py", "hlo_kernels_script")
 
 
-def kernels_of(fn, *args, donate=(), target=TARGET) -> hlo.Kernels:
-    return hlo.kernels(gpu.compile_for(target, fn, args, donate).as_text())
-
-
 def compiled_text(fn, *args, donate=(), target=TARGET) -> str:
     return gpu.compile_for(target, fn, args, donate).as_text()
+
+
+def kernels_of(fn, *args, donate=(), target=TARGET) -> hlo.Kernels:
+    return hlo.kernels(compiled_text(fn, *args, donate=donate, target=target))
 
 
 # ---------------------------------------------------------------------------
@@ -63,6 +63,11 @@ def compiled_text(fn, *args, donate=(), target=TARGET) -> str:
 UNSCALED = ("ls-no-op", "ls-bf16")
 PEERS = ("apply-if-finite", "jmp", "flax")
 SCALERS = ("ls", "ls-fused", "ls-static", "ls-nnx")
+
+
+def model_bytes(name, size) -> int:
+    """The bytes of model ``name``'s float32 params at ``size``."""
+    return sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(models.build_abstract(name, "f32", size).params))
 
 
 def budget_rows(hlo_kernels, name, precision, size, kinds, variants):
@@ -89,9 +94,7 @@ def test_no_op_and_bfloat16_add_no_kernel_and_no_byte(hlo_kernels, name, size, p
 
     kinds = ["update"] if size == "gpu" else ["update", "step"]
     rows = budget_rows(hlo_kernels, name, precision, size, kinds, UNSCALED)
-    params_bytes = sum(
-        x.size * x.dtype.itemsize for x in jax.tree.leaves(models.build_abstract(name, "f32", size).params)
-    )
+    params_bytes = model_bytes(name, size)
     for kind in kinds:
         bare = rows[peers.BARE, kind]
         tolerance = max(bare["kernels"] * 4 / MIB, 1e-3 * params_bytes / MIB)
@@ -139,9 +142,7 @@ def test_the_scalers_update_reads_the_gradients_once_more_than_bare_adam(hlo_ker
     from _harness import peers
 
     rows = budget_rows(hlo_kernels, name, precision, size, ["update"], ("ls", "ls-fused", "ls-static"))
-    params_bytes = sum(
-        x.size * x.dtype.itemsize for x in jax.tree.leaves(models.build_abstract(name, "f32", size).params)
-    )
+    params_bytes = model_bytes(name, size)
     for label in (peers.LS, peers.LS_FUSED, peers.LS_STATIC):
         extra = rows[label, "update"]["extra_mib"] / (params_bytes / MIB)
         assert extra == pytest.approx(1.0, abs=0.02), (label, extra)
@@ -247,16 +248,21 @@ def test_every_rule_compiles_for_the_gpu_with_no_host_callback(name, fused):
     assert_no_callback(compiled_text(step, PARAMS, state, *BATCH, donate=(0, 1)))
 
 
-def test_value_grad_and_peak_and_the_predictive_update_compile():
-    tx = ls.predictive(optax.adam(1e-3))
+def assert_measured_step_compiles(tx, loss_fn, params):
+    """A step that measures its backward peak (``value_grad_and_peak``)
+    and gives it to the predictive update."""
 
     def step(params, state, x, y):
-        loss, grads, peak = ls.value_grad_and_peak(mlp_loss)(state, params, x, y)
+        loss, grads, peak = ls.value_grad_and_peak(loss_fn)(state, params, x, y)
         updates, state = tx.update(grads, state, params, backward_peak=peak)
         return optax.apply_updates(params, updates), state, loss
 
-    state = jax.eval_shape(tx.init, PARAMS)
-    assert_no_callback(compiled_text(step, PARAMS, state, *BATCH, donate=(0, 1)))
+    state = jax.eval_shape(tx.init, params)
+    assert_no_callback(compiled_text(step, params, state, *BATCH, donate=(0, 1)))
+
+
+def test_value_grad_and_peak_and_the_predictive_update_compile():
+    assert_measured_step_compiles(ls.predictive(optax.adam(1e-3)), mlp_loss, PARAMS)
 
 
 def test_segments_compile():
@@ -267,15 +273,7 @@ def test_segments_compile():
         return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), y[:, None], axis=1))
 
     params = {"w1": PARAMS["w1"], "w2": PARAMS["w2"]}
-    tx = ls.predictive(optax.adam(1e-3), segments=("hidden",))
-
-    def step(params, state, x, y):
-        loss, grads, peak = ls.value_grad_and_peak(loss_fn)(state, params, x, y)
-        updates, state = tx.update(grads, state, params, backward_peak=peak)
-        return optax.apply_updates(params, updates), state, loss
-
-    state = jax.eval_shape(tx.init, params)
-    assert_no_callback(compiled_text(step, params, state, *BATCH, donate=(0, 1)))
+    assert_measured_step_compiles(ls.predictive(optax.adam(1e-3), segments=("hidden",)), loss_fn, params)
 
 
 @pytest.mark.parametrize("rounding", ["nearest", "kahan", "stochastic"])

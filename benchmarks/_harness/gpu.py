@@ -94,10 +94,10 @@ def require() -> None:
 
 
 @functools.cache
-def _topology(name: str) -> Any:
+def _topology(name: str, devices: int = 1) -> Any:
     from jax.experimental import topologies
 
-    return topologies.get_topology_desc(platform="cuda", target_config=target_config(name), topology="1x1x1")
+    return topologies.get_topology_desc(platform="cuda", target_config=target_config(name), topology=f"1x1x{devices}")
 
 
 @functools.cache
@@ -105,13 +105,7 @@ def mesh(name: str, devices: int = 1) -> Any:
     """A mesh of ``devices`` GPUs of target ``name`` (one axis, ``"d"``)."""
     from jax.experimental import topologies
 
-    if devices == 1:
-        topology = _topology(name)
-    else:
-        topology = topologies.get_topology_desc(
-            platform="cuda", target_config=target_config(name), topology=f"1x1x{devices}"
-        )
-    return topologies.make_mesh(topology, (devices,), ("d",))
+    return topologies.make_mesh(_topology(name, devices), (devices,), ("d",))
 
 
 def device_kind(name: str) -> str:
