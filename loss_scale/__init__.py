@@ -24,10 +24,13 @@ from loss_scale._precision import Policy, for_dtype
 from loss_scale._range_report import RangeReport, RangeRow, SegmentRow, range_report
 from loss_scale._rules.segmented import SegmentCounters, SegmentPeaks, SegmentTable
 from loss_scale._segments import SegmentError, segment
+from loss_scale._serialization import register_with_flax
 from loss_scale._state import LossScaleState, SkipReason, StepRecord
 from loss_scale._update import LossScaleTransformation
 
 __version__ = "0.3.0"
+
+register_with_flax()
 
 __all__ = [
     "Float16StateWarning",

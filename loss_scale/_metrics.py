@@ -38,12 +38,12 @@ def metrics(opt_state: PyTree, prefix: str = "loss_scale/") -> dict[str, jax.Arr
       >>> float(m["loss_scale/scale"]), int(m["loss_scale/skipped_steps"])
       (4.0, 1)
     """
-    state = find_state(opt_state)
-    record = state.record._asdict()
+    scale, good_steps, counters, record = find_state(opt_state).fields()
+    record = record._asdict()
     del record["nonfinite_leaves"]  # one flag per leaf, not a scalar: see overflow_paths
     # The order of 0.2.0's keys: the scale, the stable skip counts, good_steps, the rest.
     stable = {name: record.pop(name) for name in ("skipped", "skipped_steps", "consecutive_skips")}
-    counters = state.counters._asdict()
+    counters = counters._asdict()
     # A per-segment table becomes one key per boundary and segment.
     segments = {}
     table = counters.pop("segments", None)
@@ -53,7 +53,7 @@ def metrics(opt_state: PyTree, prefix: str = "loss_scale/") -> dict[str, jax.Arr
         for field in ("peak", "zero_fraction", "below_normal_fraction"):
             for i, name in enumerate(table.segments):
                 segments[f"segment/{name}/{field}"] = getattr(table, field)[i]
-    values = {"scale": state.scale} | stable | {"good_steps": state.good_steps} | record | counters | segments
+    values = {"scale": scale} | stable | {"good_steps": good_steps} | record | counters | segments
     return {prefix + name: value for name, value in values.items() if value is not None}
 
 

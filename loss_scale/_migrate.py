@@ -11,7 +11,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from loss_scale._state import LossScaleState, StepRecord
+from loss_scale._packed import PackedFields
+from loss_scale._state import LossScaleState, PackedValues, StepRecord
 from loss_scale._trees import first_difference
 
 # The fields of 0.2.0's LossScaleState, in order: one flat NamedTuple, the
@@ -138,13 +139,16 @@ def migrate_state(saved: Any, tx: optax.GradientTransformation, params: optax.Pa
     """
     fresh = _fresh(tx, params)
     if isinstance(saved, LossScaleState):
-        difference = first_difference(saved, fresh)
+        difference = state_difference(saved, fresh)
         if difference is not None:
             raise _already_current(f"but tx did not make it, {difference}")
         return saved
     if isinstance(saved, Mapping) and set(LossScaleState._fields) <= set(saved):
         try:
-            state = LossScaleState(*(_like(saved[name], getattr(fresh, name), f".{name}") for name in fresh._fields))
+            data = _leaf(_child(saved["packed"], "data", ".packed.data"), fresh.packed.data, ".packed.data")
+            state = LossScaleState(
+                PackedFields(data, fresh.packed.layout), _like(saved["inner_state"], fresh.inner_state, ".inner_state")
+            )
         except ValueError as error:
             raise _already_current(f"but not tx's: {error}") from None
         # Every saved leaf must have found its place: one left over is a
@@ -165,13 +169,28 @@ def migrate_state(saved: Any, tx: optax.GradientTransformation, params: optax.Pa
     stats = _fields_by_name(fields.get("stats", {}))
     record_values = {name: fields[name] for name in StepRecord._fields if name in fields}
     record_values |= {name: stats[name] for name in _STATS_0_2_0 if name in stats}
-    return LossScaleState(
-        scale=_leaf(fields["scale"], fresh.scale, ".scale"),
-        good_steps=_leaf(fields["good_steps"], fresh.good_steps, ".good_steps"),
-        counters=_like(fields["counters"], fresh.counters, ".counters"),
-        record=_like(record_values, fresh.record, ".record"),
-        inner_state=_like(fields["inner_state"], fresh.inner_state, ".inner_state"),
+    layout = fresh.packed.layout
+    values = PackedValues(
+        _leaf(fields["scale"], fresh.scale, ".scale"),
+        _leaf(fields["good_steps"], fresh.good_steps, ".good_steps"),
+        _like(fields["counters"], fresh.counters, ".counters"),
+        _like(record_values, fresh.record, ".record"),
     )
+    return LossScaleState(
+        PackedFields(layout.pack(values), layout), _like(fields["inner_state"], fresh.inner_state, ".inner_state")
+    )
+
+
+def state_difference(have: LossScaleState, want: LossScaleState) -> str | None:
+    """``first_difference`` of two loss-scale states, their packed values
+    compared by name (``.record.grad_norm``) and then their inner states."""
+    difference = first_difference(have.fields(), want.fields())
+    if difference is None and have.packed.layout != want.packed.layout:
+        difference = f"the packed layouts differ: {have.packed.layout} here, {want.packed.layout} expected"
+    if difference is None:
+        inner = first_difference(have.inner_state, want.inner_state)
+        difference = None if inner is None else inner.replace("at ", "at .inner_state", 1)
+    return difference
 
 
 def _already_current(detail: str) -> ValueError:

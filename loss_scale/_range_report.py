@@ -242,7 +242,7 @@ def range_report(
         reads_finite = [jnp.bool_(True)] * len(diff) + list(reads_finite)  # an argument reads nothing
         return stats, ([largest_magnitude(x) for x in diff] + forward, reads_finite)
 
-    backward = jax.jit(_only_member(backward, names))
+    backward = _compile_measurement(_only_member(backward, names))
 
     def run(s: float):
         stats, forward = jax.device_get(backward(in_leaves, jnp.float32(s)))
@@ -291,6 +291,14 @@ def range_report(
         rows = [row._replace(segment=label) for row, label in zip(rows, labels, strict=True)]
         per_segment = segment_rows(_only_member(loss_of, names), arrays, differentiated, exponents, scale, dtype)
     return RangeReport(rows, float(scale), safe, _notes(paths.inlined, paths.whole), per_segment)
+
+
+def _compile_measurement(backward: Callable[..., Any]) -> Callable[..., Any]:
+    """``jax.jit(backward)``: the measurement that ``range_report`` runs at
+    each scale, ``backward(leaves, scale)``. A function of its own so that
+    a test can compile the same measurement for another backend (a GPU's
+    program, compiled without one)."""
+    return jax.jit(backward)
 
 
 class _Forward(Evaluator):

@@ -30,14 +30,15 @@ import optax
 from loss_scale._check import gradient_stats
 from loss_scale._errors import raise_when_stuck, warn_about_float16_state
 from loss_scale._grid import round_to
+from loss_scale._packed import PackedFields
 from loss_scale._rules import Rule, RuleState, select
 from loss_scale._rules.segmented import SegmentedRule, SegmentPeaks
+from loss_scale._rules.static import fixed_scale_of
 from loss_scale._saturating import increment
 from loss_scale._settings import Settings
 from loss_scale._sharding import match_varying, zeros_like_shapes
 from loss_scale._skip import apply_or_skip, kept_inner_state
-from loss_scale._state import LossScaleState, SkipReason, StepRecord
-from loss_scale._trees import first_difference
+from loss_scale._state import LossScaleState, PackedValues, SkipReason, StepRecord, check_layout
 from loss_scale._unscale import is_float_leaf, unscale_dtype, unscale_tree
 
 
@@ -90,7 +91,7 @@ def loss_scaled(inner: Any, rule: Rule, settings: Settings) -> LossScaleTransfor
     inner = _as_transformation(inner)
     # The state as init makes it, shapes only: what every state passed to
     # update must look like (a gradient leaf count of 1 stands in for the
-    # real one, which _check_layout does not compare).
+    # real one, which check_layout does not compare).
     layout = jax.eval_shape(lambda: _initial_state(rule, None, settings, num_leaves=1))
 
     def init_fn(params: optax.Params) -> LossScaleState:
@@ -107,8 +108,7 @@ def loss_scaled(inner: Any, rule: Rule, settings: Settings) -> LossScaleTransfor
     def step(grads, state, params, extra_args, apply_to_params):
         """One update; returns (updates, state), or with ``apply_to_params``
         (new params, state) with ``apply_updates`` before the skip."""
-        _check_layout(state, layout, grads)
-        scale = state.scale
+        check_layout(state, layout, grads)
         # The loss and the backward peak are this transformation's extra
         # arguments; the inner optimizer gets the loss too (as optax's
         # reduce_on_plateau takes value=), never the peak.
@@ -125,6 +125,10 @@ def loss_scaled(inner: Any, rule: Rule, settings: Settings) -> LossScaleTransfor
             # rule's counters and the record as they were.
             out, inner_state = _unchecked(inner, grads, state, params, extra_args, apply_to_params)
             return out, state._replace(inner_state=inner_state)
+
+        # The state's own values, read from its one packed array (written
+        # back as one below).
+        scale, good_steps, counters, old = state.fields()
 
         # 1. Check: one read of every gradient, and of the loss when passed.
         # (An unchecked update that records a statistic makes the same read.)
@@ -164,14 +168,13 @@ def loss_scaled(inner: Any, rule: Rule, settings: Settings) -> LossScaleTransfor
         # fix: the rule does not see that step unless backoff_on_nonfinite_loss.
         stats = jax.lax.stop_gradient(stats)  # the record and the rule's inputs are constants
         rule_finite = grads_finite if settings.check_finite else jnp.array(True)
-        before = RuleState(state.scale, state.good_steps, state.counters)
+        before = RuleState(scale, good_steps, counters)
         if settings.backoff_on_nonfinite_loss:
             moved = rule.adjust(before, rule_finite & loss_finite, stats.grad_max, backward_peak)
         else:
             moved = select(loss_finite, rule.adjust(before, rule_finite, stats.grad_max, backward_peak), before)
 
         # ...and record the step for the user.
-        old = state.record
         skipped = ~applied
         forward_failure = ~loss_finite
         reason = jnp.where(forward_failure, int(SkipReason.NONFINITE_LOSS), int(SkipReason.GRADIENT_OVERFLOW))
@@ -196,7 +199,8 @@ def loss_scaled(inner: Any, rule: Rule, settings: Settings) -> LossScaleTransfor
             below_normal_fraction=None if stats.underflow is None else stats.underflow[1],
             nonfinite_leaves=nonfinite_leaves,
         )
-        new_state = LossScaleState(moved.scale, moved.good_steps, moved.counters, record, inner_state)
+        packed = state.packed.layout.pack(PackedValues(moved.scale, moved.good_steps, moved.counters, record))
+        new_state = LossScaleState(PackedFields(packed, state.packed.layout), inner_state)
         if settings.max_consecutive_skips is not None:
             raise_when_stuck(new_state, stats.leaf_finite, grads, settings.max_consecutive_skips, rule.floor)
         return out, new_state
@@ -228,11 +232,13 @@ def _unchecked(inner, grads, state, params, extra_args, apply_to_params):
     power of two, then, by which the division is exact), in the inner
     update's own pass on the CPU and on a GPU (see the comment below)."""
 
+    state_scale = state.scale
+
     def unscale(g):
         if not is_float_leaf(g):
             return g
         wide = g.astype(unscale_dtype(g.dtype))
-        scale = state.scale.astype(wide.dtype)
+        scale = state_scale.astype(wide.dtype)
         # XLA:CPU fuses a multiplication into the optimizer's pass but
         # materializes a division; XLA:GPU duplicates the division into each
         # kernel but gives a reciprocal shared by many leaves a kernel of
@@ -340,38 +346,9 @@ def _initial_state(rule: Rule, inner_state: optax.OptState, settings: Settings, 
         below_normal_fraction=zero(jnp.float32) if settings.track_underflow else None,
         nonfinite_leaves=jnp.zeros((num_leaves,), jnp.bool_) if settings.locate_overflows else None,
     )
-    return LossScaleState(start.scale, start.good_steps, start.counters, record, inner_state)
-
-
-def _check_layout(state: Any, layout: LossScaleState, grads: optax.Updates) -> None:
-    """A clear error for a state this transformation did not make (a
-    checkpoint restored into a differently configured optimizer, a 0.2.0
-    state), instead of a failure deep inside the update. Everything but the
-    inner state is compared, as one structure."""
-    if not isinstance(state, LossScaleState):
-        raise TypeError(
-            f"state must be the LossScaleState made by this transformation's init, got {type(state).__name__}"
-        )
-    difference = first_difference(
-        state._replace(inner_state=None), layout._replace(inner_state=None), compare_types=False
+    return LossScaleState.of(
+        start.scale, start.good_steps, start.counters, record, inner_state, fixed_scale=fixed_scale_of(rule)
     )
-    if difference is not None:
-        rules = ""
-        if type(state.counters) is not type(layout.counters):
-            rules = f" (the state keeps {type(state.counters).__name__}, this rule {type(layout.counters).__name__})"
-        raise ValueError(
-            f"the state does not have this transformation's layout{rules}, {difference}: it was made by a "
-            "transformation built with other settings (a checkpoint restored into a differently configured "
-            "optimizer?). Build the optimizer as it was when the state was saved, or start from tx.init(params) "
-            "and carry over inner_state (ls.wrap_opt_state); a state saved by loss_scale 0.2.0 is converted by "
-            "ls.migrate_state."
-        )
-    located = state.record.nonfinite_leaves
-    if located is not None and len(jax.tree.leaves(grads)) != located.shape[0]:
-        raise ValueError(
-            f"locate_overflows: the gradients have {len(jax.tree.leaves(grads))} leaves but init saw "
-            f"{located.shape[0]} (init with a tree of the gradients' structure)"
-        )
 
 
 def _as_transformation(inner: Any) -> optax.GradientTransformationExtraArgs:

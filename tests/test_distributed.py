@@ -181,9 +181,10 @@ def test_shard_map_with_sharded_params_equals_one_device(mesh, reference, option
 
     specs = {"w": P("data"), "b": P(), "v": P("data")}
     params = jax.device_put(init_params(), {k: NamedSharding(mesh, v) for k, v in specs.items()})
-    # Adam's moments of w are sliced like w, everything else is replicated.
+    # Adam's moments of w are sliced like w, everything else is replicated
+    # (the loss-scale state's packed values are a 1-D array on one device).
     state = tx.init(params)
-    state_specs = jax.tree.map(lambda a: a.sharding.spec if a.ndim else P(), state)
+    state_specs = jax.tree.map(lambda a: a.sharding.spec if isinstance(a.sharding, NamedSharding) else P(), state)
     state = jax.tree.map(lambda a, spec: jax.device_put(a, NamedSharding(mesh, spec)), state, state_specs)
 
     @jax.jit

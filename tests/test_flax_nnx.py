@@ -104,7 +104,10 @@ def test_nnx_float16_overflow_from_a_too_large_scale_backs_off():
     # 2**24 times a gradient of order one overflows float16 (max 65504): the
     # step is skipped and the scale halves until it fits.
     model, optimizer = make()
-    optimizer.opt_state.scale[...] = 2.0**24
+    # The state's values are one packed Variable: write a value into it in place.
+    state = optimizer.opt_state
+    state.packed.data[...] = state._replace(scale=jnp.float32(2.0**24)).packed.data
+    assert float(lsf.get_scale(optimizer)) == 2.0**24
     x, y = batch()
     params_before = pure(nnx.state(model, nnx.Param))
     train_step(model, optimizer, x, y)
@@ -184,8 +187,10 @@ def test_nnx_loss_scaling_recovers_gradients_that_float16_flushes_to_zero():
 
 def test_find_state_get_scale_and_metrics_return_plain_arrays():
     _, optimizer = make(tx=ls.dynamic(optax.sgd(0.1), initial_scale=64.0))
-    # The core lookup finds the state but leaves nnx's Variable wrappers on it.
-    assert isinstance(ls.get_scale(optimizer.opt_state), nnx.Variable)
+    # The core lookup finds the state but leaves nnx's Variable wrappers on it;
+    # the scale, unpacked from the packed Variable, is an array.
+    assert isinstance(ls.find_state(optimizer.opt_state).packed.data, nnx.Variable)
+    assert isinstance(ls.get_scale(optimizer.opt_state), jax.Array)
     for obj in (optimizer, optimizer.opt_state):
         assert isinstance(lsf.get_scale(obj), jax.Array) and float(lsf.get_scale(obj)) == 64.0
         state = lsf.find_state(obj)

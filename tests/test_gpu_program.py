@@ -86,10 +86,11 @@ def budget_rows(hlo_kernels, name, precision, size, kinds, variants):
 )  # fmt: skip
 def test_no_op_and_bfloat16_add_no_kernel_and_no_byte(hlo_kernels, name, size, precision):
     """No kernel more than bare Adam's, and no byte more at the scale of the
-    params (+0.00 P): the 4 bytes of the scale that each kernel reads to
-    divide by it (1 unless a scaled run's state was restored), and, in a
-    whole step, the few KiB by which XLA may fuse the forward pass
-    differently (jax 0.12.1: 8 KiB more written in a 21 MiB step)."""
+    params (+0.00 P): the scale that each kernel reads to divide by it (1
+    unless a scaled run's state was restored), counted as the whole packed
+    array it is a word of (13 words), and, in a whole step, the few KiB by
+    which XLA may fuse the forward pass differently (jax 0.12.1: 8 KiB more
+    written in a 21 MiB step)."""
     from _harness import peers
 
     kinds = ["update"] if size == "gpu" else ["update", "step"]
@@ -97,10 +98,14 @@ def test_no_op_and_bfloat16_add_no_kernel_and_no_byte(hlo_kernels, name, size, p
     params_bytes = model_bytes(name, size)
     for kind in kinds:
         bare = rows[peers.BARE, kind]
-        tolerance = max(bare["kernels"] * 4 / MIB, 1e-3 * params_bytes / MIB)
+        packed = jax.eval_shape(ls.no_op(optax.adam(1e-3)).init, {}).packed.data
+        packed_bytes = packed.size * packed.dtype.itemsize
+        tolerance = max(bare["kernels"] * packed_bytes / MIB, 1e-3 * params_bytes / MIB)
         for label in (peers.LS_NO_OP, peers.LS_BF16):
             row = rows[label, kind]
-            assert row["kernels"] == bare["kernels"], f"{label} {kind}: {row['kernels']} against {bare['kernels']}"
+            # Fewer is no cost: XLA may give leaves of one shape one kernel
+            # when they read the same scale.
+            assert row["kernels"] <= bare["kernels"], f"{label} {kind}: {row['kernels']} against {bare['kernels']}"
             for moved in ("read_mib", "written_mib"):  # less is no cost (jax 0.12.1's 160-leaf step reads less)
                 assert row[moved] - bare[moved] <= tolerance, (label, kind, moved, row[moved], bare[moved])
 
@@ -117,7 +122,7 @@ def test_no_op_measures_again_when_a_statistic_is_asked_for():
         return kernels_of(update, params, state, params, donate=(0, 1)).count
 
     bare, no_op = step(optax.adam(1e-3)), step(ls.no_op(optax.adam(1e-3)))
-    assert no_op == bare
+    assert no_op <= bare
     assert step(ls.no_op(optax.adam(1e-3), skip_nonfinite=True)) > bare
     assert step(ls.for_dtype(optax.adam(1e-3), jnp.bfloat16, track_grad_norm=True)) > bare
 
@@ -148,16 +153,21 @@ def test_the_scalers_update_reads_the_gradients_once_more_than_bare_adam(hlo_ker
         assert extra == pytest.approx(1.0, abs=0.02), (label, extra)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="each scalar field of LossScaleState is a buffer of its own, updated by a kernel of its own; "
-    "the packed layout that puts them in one kernel is not built yet",
-)
-@pytest.mark.parametrize("name,size", [("tree", "quick")])
-def test_the_scalers_add_no_more_kernels_than_the_leanest_peer(hlo_kernels, name, size):
+@pytest.mark.parametrize(
+    "name,size,precision",
+    [
+        *((name, size, precision) for name, size in (("tree", "quick"), ("mlp", "quick"), ("mlp", "default"))
+          for precision in ("f32", "mixed")),
+    ],
+)  # fmt: skip
+def test_the_scalers_add_no_more_kernels_than_the_leanest_peer(hlo_kernels, name, size, precision):
+    """ls.dynamic through optax, ls.apply_gradients, the NNX Optimizer, and
+    ls.static: no more kernels than the fewest of optax.apply_if_finite, jmp
+    and flax add, in the update and in the whole step. The state's values
+    are one buffer (``loss_scale/_packed.py``), updated by one kernel."""
     from _harness import peers
 
-    rows = budget_rows(hlo_kernels, name, "f32", size, ["update", "step"], (*SCALERS, *PEERS))
+    rows = budget_rows(hlo_kernels, name, precision, size, ["update", "step"], (*SCALERS, *PEERS))
     for kind in ("update", "step"):
         fewest = min(rows[label, kind]["extra_kernels"] for label in (peers.APPLY_IF_FINITE, peers.JMP, peers.FLAX))
         for label in (peers.LS, peers.LS_FUSED, peers.LS_STATIC, peers.LS_NNX):
@@ -259,6 +269,33 @@ def assert_measured_step_compiles(tx, loss_fn, params):
 
     state = jax.eval_shape(tx.init, params)
     assert_no_callback(compiled_text(step, params, state, *BATCH, donate=(0, 1)))
+
+
+def test_range_reports_measurement_compiles_for_the_gpu(monkeypatch):
+    """range_report's measurement (the backward pass at a scale, with the
+    statistics of every cotangent) is the function it jits; compiled for
+    the H100 from the same arguments, it has no host callback."""
+    from loss_scale import _range_report
+
+    compiled = []
+
+    class Compiled(Exception):
+        pass
+
+    def compile_for_the_gpu(backward):
+        def run(leaves, scale):
+            compiled.append(gpu.compile_for(TARGET, backward, (leaves, scale)).as_text())
+            raise Compiled
+
+        return run
+
+    monkeypatch.setattr(_range_report, "_compile_measurement", compile_for_the_gpu)
+    x, y = BATCH
+    with pytest.raises(Compiled):
+        ls.range_report(f32_loss, PARAMS, x, y, compute_dtype=jnp.float16)
+    (text,) = compiled
+    assert "ENTRY" in text and "f16" in text
+    assert_no_callback(text)
 
 
 def test_value_grad_and_peak_and_the_predictive_update_compile():

@@ -38,7 +38,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "_autocast",
     ),
     "rules": ("_rules",),
-    "state": ("_state", "_settings", "_find", "_errors"),
+    "state": ("_state", "_packed", "_serialization", "_settings", "_find", "_errors"),
     "update": ("_update", "_low_precision"),
     "factories": ("_options", "_factories", "_precision"),
     "on top": (

@@ -173,12 +173,20 @@ def test_for_dtype_wide_range_dtypes_are_no_op(dtype):
 
 
 def test_for_dtype_state_layout_does_not_depend_on_dtype():
+    """Every dtype's state saves the same leaves (one checkpoint restores
+    under any of them); bfloat16's and float32's scale is the constant 1 of
+    their layout, float16's a word that its rule moves."""
     params = {"w": jnp.zeros((3, 2))}
-    structures = {
-        str(dtype): jax.tree.structure(ls.for_dtype(optax.adam(1e-3), dtype).init(params))
-        for dtype in ("f16", "bf16", "f32")
+    states = {dtype: ls.for_dtype(optax.adam(1e-3), dtype).init(params) for dtype in ("f16", "bf16", "f32")}
+    saved = {
+        dtype: tuple((jax.tree_util.keystr(p), x.shape, x.dtype) for p, x in jax.tree_util.tree_flatten_with_path(s)[0])
+        for dtype, s in states.items()
     }
-    assert len(set(structures.values())) == 1
+    assert len(set(saved.values())) == 1
+    assert [s.packed.layout.fixed_scale for s in states.values()] == [None, 1.0, 1.0]
+    # The float16 state's leaves, restored into the bfloat16 state's tree.
+    restored = jax.tree.unflatten(jax.tree.structure(states["bf16"]), jax.tree.leaves(states["f16"]))
+    assert float(restored.scale) == 1.0 and int(restored.skipped_steps) == 0
 
 
 def test_for_dtype_validates_dynamic_settings_for_every_dtype():

@@ -52,14 +52,15 @@ def _compiled(preset: str, frozen: tuple):
     """The preset's full transformation over ``LENGTH`` steps, jitted once:
     (scale after each step, state.skipped, parameters unchanged,
     the hysteresis allowance left after each step). ``initial`` replaces the initial scale
-    unless it is nan."""
+    unless it is nan (or the preset's scale is fixed, a constant of its state's layout)."""
     tx = getattr(ls.presets, preset)(optax.sgd(1.0), **dict(frozen))
 
     @jax.jit
     def run(injected, initial):
         params = jnp.zeros(2)
         state = tx.init(params)
-        state = state._replace(scale=jnp.where(jnp.isnan(initial), state.scale, initial))
+        if state.packed.layout.fixed_scale is None:
+            state = state._replace(scale=jnp.where(jnp.isnan(initial), state.scale, initial))
 
         def step(carry, value):
             params, state = carry

@@ -195,7 +195,11 @@ OPTION_VALUES = {
 
 
 def layout(state):
-    return jax.tree.structure(state), [(x.shape, x.dtype) for x in jax.tree.leaves(state)]
+    """What a checkpointer saves of ``state``: each leaf's path, shape and
+    dtype (a fixed scale, ls.no_op's, is a constant of the tree's metadata,
+    which a checkpoint does not hold)."""
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    return [(jax.tree_util.keystr(path), x.shape, x.dtype) for path, x in leaves]
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -24,18 +24,76 @@ INT32_MAX = int(np.iinfo(np.int32).max)
 def test_the_state_keeps_what_the_next_step_needs_apart_from_the_record():
     tx = ls.dynamic(optax.adam(1e-3), track_grad_norm=True)
     state = tx.init({"w": jnp.ones(3)})
-    assert ls.LossScaleState._fields == ("scale", "good_steps", "counters", "record", "inner_state")
+    # Two fields: the loss-scale state's own values packed in one int32
+    # array (one buffer, one kernel on a GPU), and the inner state.
+    assert ls.LossScaleState._fields == ("packed", "inner_state")
+    assert state.fields()._fields == ("scale", "good_steps", "counters", "record")
+    leaves = jax.tree_util.tree_flatten_with_path(state._replace(inner_state=None))[0]
+    assert [(jax.tree_util.keystr(path), leaf.dtype, leaf.shape) for path, leaf in leaves] == [
+        (".packed.data", jnp.int32, (1 + 1 + 2 + 9 + 1,))  # scale, good steps, counters, record, grad_norm
+    ]
     assert isinstance(state.record, ls.StepRecord)
     # The stable attributes read through to the record.
-    assert state.skipped is state.record.skipped
-    assert state.skipped_steps is state.record.skipped_steps
-    assert state.consecutive_skips is state.record.consecutive_skips
+    _, state = tx.update({"w": jnp.array([1.0, jnp.inf, 2.0])}, state)
+    assert bool(state.skipped) and bool(state.record.skipped)
+    assert int(state.skipped_steps) == int(state.record.skipped_steps) == 1
+    assert int(state.consecutive_skips) == int(state.record.consecutive_skips) == 1
     # Any field of the record or the counters reads as an attribute.
-    assert state.grad_norm is state.record.grad_norm
-    assert state.overflows_left is state.counters.overflows_left
-    # optax's tree utilities find nested fields by name.
-    assert optax.tree_utils.tree_get(state, "skipped_steps") is state.record.skipped_steps
+    assert float(state.grad_norm) == float(state.record.grad_norm) == np.inf
+    assert int(state.overflows_left) == int(state.counters.overflows_left) == 0
+    # optax's tree utilities find the inner state's fields by name.
     assert optax.tree_utils.tree_get(state, "count") is state.inner_state[0].count
+
+
+def test_the_packed_values_are_written_by_name_and_keep_their_layout():
+    tx = ls.dynamic(optax.adam(1e-3), track_grad_norm=True)
+    state = tx.init({"w": jnp.ones(3)})
+    moved = state._replace(scale=jnp.float32(2.0**-20), record=state.record._replace(skipped_steps=jnp.int32(7)))
+    assert moved.packed.layout == state.packed.layout
+    assert float(moved.scale) == 2.0**-20 and int(moved.skipped_steps) == 7
+    assert int(moved.good_steps) == 0 and moved.inner_state is state.inner_state
+    # Every value comes back bit for bit: floats, flags, int32's extremes.
+    extremes = state.record._replace(grad_max=jnp.float32(-np.inf), grad_norm=jnp.float32(np.nan), growths=INT32_MAX)
+    back = state._replace(record=extremes).record
+    assert float(back.grad_max) == -np.inf and np.isnan(float(back.grad_norm)) and int(back.growths) == INT32_MAX
+    with pytest.raises(ValueError, match="no field 'skipped_steps'"):
+        state._replace(skipped_steps=1)
+    with pytest.raises(ValueError, match="do not have the state's structure"):
+        state._replace(counters=())
+    # A batch of states (jax.vmap(tx.init)) reads and writes per state.
+    states = jax.vmap(tx.init)({"w": jnp.ones((4, 3))})
+    assert states.packed.data.shape == (4, 14) and states.scale.shape == (4,)
+    states = states._replace(scale=jnp.arange(4, dtype=jnp.float32), good_steps=jnp.arange(4, dtype=jnp.int32))
+    np.testing.assert_array_equal(states.scale, [0.0, 1.0, 2.0, 3.0])
+    np.testing.assert_array_equal(states.good_steps, [0, 1, 2, 3])
+    np.testing.assert_array_equal(states.skipped_steps, [0, 0, 0, 0])
+
+
+@pytest.mark.parametrize(
+    "make,scale", [(lambda: ls.no_op(optax.sgd(0.1)), 1.0), (lambda: ls.static(optax.sgd(0.1), scale=8.0), 8.0)]
+)
+def test_a_fixed_scale_is_a_constant_of_the_layout(make, scale):
+    """The scale of a static or no_op state is read as a constant, so a step
+    that multiplies its loss by it reads no state at all; writing another is
+    refused, and a state of a moving scale is not taken for one."""
+    tx = make()
+    state = tx.init(jnp.zeros(2))
+    assert state.packed.layout.fixed_scale == scale and float(state.scale) == scale
+    loss = lambda params: jnp.sum(params**2)  # noqa: E731
+    jaxpr = jax.make_jaxpr(lambda s, p: ls.value_and_grad(loss)(s, p))(state, jnp.ones(2))
+    assert jaxpr.jaxpr.invars[0].aval.shape == (13,)  # no grad_norm
+    assert not any(jaxpr.jaxpr.invars[0] in eqn.invars for eqn in jaxpr.jaxpr.eqns)  # the state is not read
+    with pytest.raises(ValueError, match=f"fixed at {scale}"):
+        state._replace(scale=2.0)
+    # A state that keeps its scale as a word may go on under a fixed scale
+    # (it reads what the fixed rule writes there); a constant scale cannot
+    # be taken over by a rule that moves it.
+    dynamic = ls.dynamic(optax.sgd(0.1), initial_scale=4.0).init(jnp.zeros(2))
+    updates, moved = tx.update(jnp.full(2, 4.0), dynamic)
+    assert moved.packed.layout == dynamic.packed.layout
+    np.testing.assert_allclose(updates, [-0.1, -0.1])  # unscaled by the state's own scale, 4
+    with pytest.raises(ValueError, match=f"fixes its scale at {scale} and this one moves its scale"):
+        ls.dynamic(optax.sgd(0.1)).update(jnp.ones(2), state)
 
 
 def test_every_recorded_value_is_a_metric_and_nothing_else_is():

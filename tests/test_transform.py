@@ -374,7 +374,7 @@ def test_donated_state():
     for poison in [1.0, jnp.inf, 1.0]:
         old = state
         params, state = step(params, state, jnp.float32(poison))
-        assert old.scale.is_deleted()
+        assert old.packed.data.is_deleted()
     assert int(state.skipped_steps) == 1 and int(state.inner_state[0].count) == 2
 
 

@@ -69,6 +69,10 @@ class SegmentTable:
         self.zero_fraction, self.below_normal_fraction = zero_fraction, below_normal_fraction
         self.name_bytes = name_bytes
 
+    # Packed into the state's words, a table still checks its names when a
+    # checkpoint is restored (``loss_scale/_packed.py``).
+    checked_on_restore = True
+
     _FIELDS = ("exponent", "margin", "peak", "zero_fraction", "below_normal_fraction", "name_bytes")
 
     def tree_flatten_with_keys(self):

@@ -16,3 +16,11 @@ def fixed(scale: float) -> DynamicRule:
     ``good_steps`` counts the clean steps in a row. ``scale`` is validated by
     the caller."""
     return DynamicRule(initial_scale=scale, min_scale=scale, max_scale=scale, growth_interval=validate.INT32_MAX)
+
+
+def fixed_scale_of(rule: object) -> float | None:
+    """The scale ``rule`` never moves (a ``fixed`` rule's), or ``None``: a
+    constant of its state's layout, which reading the scale then reads."""
+    if isinstance(rule, DynamicRule) and rule.min_scale == rule.max_scale:
+        return float(rule.min_scale)
+    return None

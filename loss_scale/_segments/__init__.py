@@ -35,7 +35,7 @@ __all__ = ["SegmentError", "Segmented", "SegmentedGradient", "segment", "segment
 
 def segment_names(state: LossScaleState) -> tuple[str, ...] | None:
     """The boundaries of a state with segments (sorted), ``None`` without."""
-    counters = state.counters
+    counters = state.shapes().counters  # the names are static: no array is read
     if isinstance(counters, SegmentCounters):
         return counters.segments.names
     return None
