@@ -184,7 +184,7 @@ def migrate_state(saved: Any, tx: optax.GradientTransformation, params: optax.Pa
 def state_difference(have: LossScaleState, want: LossScaleState) -> str | None:
     """``first_difference`` of two loss-scale states, their packed values
     compared by name (``.record.grad_norm``) and then their inner states."""
-    difference = first_difference(have.fields(), want.fields())
+    difference = first_difference(have.shapes(), want.shapes())
     if difference is None and have.packed.layout != want.packed.layout:
         difference = f"the packed layouts differ: {have.packed.layout} here, {want.packed.layout} expected"
     if difference is None:

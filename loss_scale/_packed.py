@@ -26,6 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from loss_scale._rules.segment_names import on_hand
+
 _WORD = jnp.int32
 
 
@@ -220,7 +222,7 @@ class PackedFields:
     @classmethod
     def tree_unflatten(cls, layout: Layout, children: Any) -> PackedFields:
         (data,) = children
-        if _restored(data) and layout.checked_on_restore:
+        if layout.checked_on_restore and on_hand(data):
             # A restored checkpoint: fields that check what they are rebuilt
             # from (a segment table's names) check it now.
             words = np.asarray(data)
@@ -238,17 +240,3 @@ class PackedFields:
 
     def __repr__(self) -> str:
         return f"PackedFields({self.layout.size} words)"
-
-
-def _restored(data: Any) -> bool:
-    """Whether ``data`` holds values on hand (numpy, or a ready array), as a
-    checkpoint just restored does; tracers and outputs still being computed
-    are left alone, so that no step waits on this."""
-    if isinstance(data, np.ndarray):
-        return True
-    if isinstance(data, jax.Array) and not isinstance(data, jax.core.Tracer):
-        try:
-            return not data.is_deleted() and data.is_fully_addressable and data.is_ready()
-        except Exception:
-            return False
-    return False

@@ -298,14 +298,20 @@ class LossScaleState(_Slots):
         # never forwarded (copy, pickle and pytree machinery probe them).
         if name.startswith("_"):
             raise AttributeError(f"'LossScaleState' object has no attribute {name!r}")
+        # Which part holds the name is static (the layout's shapes); only a
+        # name found there unpacks the array, not one forwarded further.
         try:
-            _, _, counters, record = self.fields()
-        except TypeError:  # a tree of other values than arrays: only the inner state's names
-            counters = record = None
-        for part in (record, counters):
+            shapes = self.shapes()
+        except (TypeError, ValueError):  # data without a shape: only the inner state's names
+            shapes = (None,) * 4
+        for index in (3, 2):  # the record, then the counters
+            part = type(shapes[index])
             # A field, or a property (SegmentCounters.segment_exponents).
-            if name in getattr(type(part), "_fields", ()) or isinstance(getattr(type(part), name, None), property):
-                return getattr(part, name)
+            if name in getattr(part, "_fields", ()) or isinstance(getattr(part, name, None), property):
+                try:
+                    return getattr(self.fields()[index], name)
+                except TypeError:  # a tree of other values than arrays: only the inner state's names
+                    break
         inner = self.inner_state
         try:
             return getattr(inner, name)

@@ -36,20 +36,28 @@ def decode_names(rows: np.ndarray) -> list[str]:
     return [bytes(row).rstrip(b"\0").decode(errors="backslashreplace") for row in np.asarray(rows)]
 
 
+def on_hand(x: Any) -> bool:
+    """Whether ``x`` holds values already on hand (numpy, or a ready array),
+    as a checkpoint just restored does; tracers, shapes and a step's
+    outputs still being computed are not, so that no step waits on them."""
+    if isinstance(x, np.ndarray):
+        return True
+    if not isinstance(x, jax.Array) or isinstance(x, jax.core.Tracer):
+        return False
+    try:
+        return not x.is_deleted() and x.is_fully_addressable and x.is_ready()
+    except Exception:  # an array kind without these queries: nothing to read
+        return False
+
+
 def check_restored_names(names: tuple[str, ...], saved: Any) -> None:
     """Raises if ``saved`` (a table's ``name_bytes`` being rebuilt into a
     table with ``names``) holds other names. Only arrays whose values are
     already on hand are read (a checkpoint just restored): tracers, shapes,
     and a step's outputs still being computed are left alone, so that no
     step waits on this."""
-    if isinstance(saved, jax.core.Tracer) or not isinstance(saved, np.ndarray | jax.Array):
+    if not on_hand(saved):
         return
-    if isinstance(saved, jax.Array):
-        try:
-            if saved.is_deleted() or not saved.is_fully_addressable or not saved.is_ready():
-                return
-        except Exception:  # an array kind without these queries: nothing to check against
-            return
     expected = encode_names(tuple(names))
     if saved.dtype != np.uint8 or tuple(saved.shape[-2:]) != expected.shape:
         return
