@@ -62,7 +62,7 @@ def kernels_of(fn, *args, donate=(), target=TARGET) -> hlo.Kernels:
 
 UNSCALED = ("ls-no-op", "ls-bf16")
 PEERS = ("apply-if-finite", "jmp", "flax")
-SCALERS = ("ls", "ls-fused", "ls-static", "ls-nnx")
+SCALERS = ("ls", "ls-fused", "ls-static", "ls-nnx", "ls-trainstate")
 
 
 def model_bytes(name, size) -> int:
@@ -127,6 +127,34 @@ def test_no_op_measures_again_when_a_statistic_is_asked_for():
     assert step(ls.for_dtype(optax.adam(1e-3), jnp.bfloat16, track_grad_norm=True)) > bare
 
 
+def _tree_update_kernels(tx, leaves):
+    """Kernels of ``tx``'s update (with ``optax.apply_updates``, params and
+    state donated) of a tree of ``leaves`` float32 leaves, 256x256 weights
+    and 256 biases alternating."""
+    params = {f"p{i:03d}": jnp.zeros((256, 256) if i % 2 == 0 else (256,)) for i in range(leaves)}
+
+    def update(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return kernels_of(update, params, jax.eval_shape(tx.init, params), params, donate=(0, 1)).count
+
+
+@pytest.mark.parametrize("leaves", [4, 40])
+def test_the_other_paths_stay_within_the_budget(leaves):
+    """ls.no_op and ls.for_dtype(bfloat16) with skip_nonfinite=True add no
+    more kernels than optax.apply_if_finite, which does what they do (skip a
+    non-finite step, scale 1); ls.predictive's update without a measured
+    peak (the steps between measurements) adds no more than ls.dynamic's."""
+    adam = lambda: optax.adam(1e-3)  # noqa: E731 - a fresh optimizer per transformation
+    bare = _tree_update_kernels(adam(), leaves)
+    apply_if_finite = _tree_update_kernels(optax.apply_if_finite(adam(), 5), leaves) - bare
+    for tx in (ls.no_op(adam(), skip_nonfinite=True), ls.for_dtype(adam(), jnp.bfloat16, skip_nonfinite=True)):
+        assert _tree_update_kernels(tx, leaves) - bare <= apply_if_finite
+    dynamic = _tree_update_kernels(ls.dynamic(adam()), leaves) - bare
+    assert _tree_update_kernels(ls.predictive(adam()), leaves) - bare <= dynamic
+
+
 @pytest.mark.parametrize("name,size,against", [("tree", "default", PEERS), ("tree", "gpu", ("apply-if-finite",))])
 def test_the_scalers_add_fewer_kernels_than_the_peers_on_many_leaves(hlo_kernels, name, size, against):
     """At 40 leaves against every peer; at 160 against optax.apply_if_finite,
@@ -161,8 +189,8 @@ def test_the_scalers_update_reads_the_gradients_once_more_than_bare_adam(hlo_ker
     ],
 )  # fmt: skip
 def test_the_scalers_add_no_more_kernels_than_the_leanest_peer(hlo_kernels, name, size, precision):
-    """ls.dynamic through optax, ls.apply_gradients, the NNX Optimizer, and
-    ls.static: no more kernels than the fewest of optax.apply_if_finite, jmp
+    """ls.dynamic through optax, ls.apply_gradients, the flax TrainState,
+    the NNX Optimizer, and ls.static: no more kernels than the fewest of optax.apply_if_finite, jmp
     and flax add, in the update and in the whole step. The state's values
     are one buffer (``loss_scale/_packed.py``), updated by one kernel."""
     from _harness import peers
@@ -170,7 +198,7 @@ def test_the_scalers_add_no_more_kernels_than_the_leanest_peer(hlo_kernels, name
     rows = budget_rows(hlo_kernels, name, precision, size, ["update", "step"], (*SCALERS, *PEERS))
     for kind in ("update", "step"):
         fewest = min(rows[label, kind]["extra_kernels"] for label in (peers.APPLY_IF_FINITE, peers.JMP, peers.FLAX))
-        for label in (peers.LS, peers.LS_FUSED, peers.LS_STATIC, peers.LS_NNX):
+        for label in (peers.LS, peers.LS_FUSED, peers.LS_STATIC, peers.LS_NNX, peers.LS_TRAIN_STATE):
             assert rows[label, kind]["extra_kernels"] <= fewest, (label, kind, rows[label, kind]["extra_kernels"])
 
 
