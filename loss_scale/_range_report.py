@@ -227,20 +227,24 @@ def range_report(
         evaluator = _Forward(probes, paths.probed)
         (loss,) = evaluator.run(closed, jax.tree.leaves(arrays))
         forward = [largest_magnitude(jax.lax.stop_gradient(x)) for x in evaluator.values]
-        return loss.astype(_at_least_float32(loss.dtype)) * s, (forward, evaluator.reads_finite)
+        loss_finite = jnp.isfinite(jax.lax.stop_gradient(loss))
+        return loss.astype(_at_least_float32(loss.dtype)) * s, (forward, evaluator.reads_finite, loss_finite)
 
     def backward(leaves, s):
         arrays = jax.tree.unflatten(in_tree, leaves)
         diff = [arrays[a][j] for a, j, _ in arg_sites]
         probes = [jnp.zeros(site.shape, site.dtype) for site in sites]
-        grads, (forward, reads_finite) = jax.grad(scaled_loss, argnums=(0, 1), has_aux=True)(probes, diff, leaves, s)
+        grads, (forward, reads_finite, loss_finite) = jax.grad(scaled_loss, argnums=(0, 1), has_aux=True)(
+            probes, diff, leaves, s
+        )
         cotangents = list(grads[1]) + list(grads[0])
         stats = []
         for ct in cotangents:
             peak, zeros, below = cotangent_stats(ct)
             stats.append((peak, zeros / ct.size, below / ct.size, jnp.isfinite(peak)))
         reads_finite = [jnp.bool_(True)] * len(diff) + list(reads_finite)  # an argument reads nothing
-        return stats, ([largest_magnitude(x) for x in diff] + forward, reads_finite)
+        measured = ([largest_magnitude(x) for x in diff] + forward, reads_finite)
+        return stats, (*measured, loss_finite, _all_finite(leaves))
 
     backward = _compile_measurement(_only_member(backward, names))
 
@@ -252,7 +256,7 @@ def range_report(
         return all(bool(finite) for *_, finite in stats)
 
     dtypes = [jnp.dtype(leaf.dtype) for a, j, _ in arg_sites for leaf in [arrays[a][j]]] + [s.dtype for s in sites]
-    stats, (forward, reads_finite) = run(scale)
+    stats, (forward, reads_finite, loss_finite, inputs_finite) = run(scale)
     safe = _max_safe_scale(run, all_finite, stats, dtypes, scale)
     headroom = [math.nan] * len(stats)
     if safe is not None:
@@ -290,7 +294,8 @@ def range_report(
         labels = segment_labels(closed, differentiated, exponents, paths, len(arg_sites))
         rows = [row._replace(segment=label) for row, label in zip(rows, labels, strict=True)]
         per_segment = segment_rows(_only_member(loss_of, names), arrays, differentiated, exponents, scale, dtype)
-    return RangeReport(rows, float(scale), safe, _notes(paths.inlined, paths.whole), per_segment)
+    notes = _notes(paths.inlined, paths.whole)
+    return RangeReport(rows, float(scale), safe, notes, per_segment, bool(loss_finite), bool(inputs_finite))
 
 
 def _compile_measurement(backward: Callable[..., Any]) -> Callable[..., Any]:

@@ -138,6 +138,15 @@ class RangeReport(NamedTuple):
         backward pass with its boundaries in force (the rows are at the
         one scale ``scale``, so the two side by side show what the
         boundaries change); ``None`` otherwise.
+      loss_finite: whether the loss itself is finite. Values that are not
+        finite in the forward pass while it is were absorbed on the way (a
+        mask filled with ``-inf`` and read by a softmax, a ``where`` that
+        chose the other branch).
+      inputs_finite: whether every floating array among the loss
+        function's arguments is finite. When it is, a value that is not
+        finite comes from the program itself: an operation that overflows
+        (``forward_overflowing``) or a constant that is not finite in its
+        dtype (a mask fill of ``-2.38e38`` cast to float16 is ``-inf``).
 
     Examples:
       A softmax written out, so that each of its operations is a row (from
@@ -164,6 +173,8 @@ class RangeReport(NamedTuple):
     max_safe_scale: float | None
     notes: str
     segments: list[SegmentRow] | None = None
+    loss_finite: bool = True
+    inputs_finite: bool = True
 
     @property
     def overflowing(self) -> list[RangeRow]:
@@ -220,24 +231,40 @@ def _headline(report: RangeReport) -> list[str]:
         f"range report at scale {report.scale:g}: {len(report.rows)} values, "
         f"{sum(r.overflows for r in report.rows)} overflow; max safe scale {safe}"
     )
-    first_lines = []
+    first_lines, last_lines = [], []
     causes = report.forward_overflowing
     inherited = [r for r in report.rows if not math.isfinite(r.forward_max)]
+    hidden = "; the loss is finite all the same: a later operation hides it" if report.loss_finite else ""
     if causes:
         n, first = len(causes), causes[0]
         first_lines.append(
             f"forward overflow: {n} operation{'s' if n > 1 else ''} overflow{'' if n > 1 else 's'} in the forward "
             f"pass (inf or nan from finite inputs), which no loss scale fixes; "
-            f"first: {first.primitive} at {first.where}"
+            f"first: {first.primitive} at {first.where}{hidden}"
         )
     elif inherited:
-        first_lines.append(
-            f"forward pass not finite: {len(inherited)} values are inf or nan because an input of the loss function "
-            f"is (no loss scale fixes it); first: {inherited[0].primitive} at {inherited[0].where}"
+        origin = (
+            "because an input of the loss function is"
+            if not report.inputs_finite
+            else "from a constant of the program that is not finite in its dtype (a fill value beyond the compute "
+            "dtype's range: -2.38e38 is -inf in float16)"
         )
+        first = f"first: {inherited[0].primitive} at {inherited[0].where}"
+        if report.loss_finite:
+            # Read where they change nothing (a softmax over a masked row, a
+            # where that chose the other branch): a deliberate mask.
+            last_lines.append(
+                f"masked: {len(inherited)} values are inf or nan {origin}, and absorbed before the loss, which is "
+                f"finite (a softmax or a where reads them): nothing to fix; {first}"
+            )
+        else:
+            first_lines.append(
+                f"forward pass not finite: {len(inherited)} values are inf or nan {origin}, and so is the loss "
+                f"(no loss scale fixes it); {first}"
+            )
     if first_lines:
         summary += " (of the backward pass alone)"
-    return [*first_lines, summary]
+    return [*first_lines, summary, *last_lines]
 
 
 _WHERE_WIDTH = 60

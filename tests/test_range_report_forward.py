@@ -12,6 +12,7 @@ overflow boundary."""
 
 import math
 import pathlib
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -144,6 +145,63 @@ def test_an_argument_that_is_not_finite_in_the_compute_dtype_and_a_data_input():
     head = str(report).splitlines()[0]
     assert head.startswith("forward pass not finite: 4 values are inf or nan because an input of the loss function")
     assert f"first: mul at {HERE.name}:" in head
+
+
+def _causal_lm_loss(fill):
+    """A causal attention row's log-softmax in float16, the masked scores
+    set to ``fill``, and the loss read from the diagonal (never masked)."""
+
+    def loss_fn(w, x, fill=fill):
+        scores = (x @ w).astype(jnp.float16)
+        masked = jnp.where(jnp.tril(jnp.ones((8, 8), bool)), scores, fill)
+        return -jnp.mean(jnp.diagonal(jax.nn.log_softmax(masked, axis=-1)).astype(jnp.float32))
+
+    return loss_fn
+
+
+def test_a_mask_constant_that_is_inf_in_float16_is_reported_as_absorbed_not_as_a_bad_input():
+    # -2.38e38 is beyond float16's range: the fill is -inf, deliberately,
+    # and the softmax after it is finite.
+    w, x = jnp.full((4, 8), 0.1), jnp.ones((8, 4))
+    with warnings.catch_warnings():  # numpy's overflow warning, where jax casts the fill eagerly
+        warnings.simplefilter("ignore", RuntimeWarning)
+        report = ls.range_report(_causal_lm_loss(-2.38e38), w, x)
+    assert report.loss_finite and report.inputs_finite and not report.forward_overflowing
+    assert any(r.forward_max == math.inf for r in report.rows)
+    lines = str(report).splitlines()
+    assert lines[0].startswith("range report at scale") and "(of the backward pass alone)" not in lines[0]
+    assert lines[1].startswith("masked: 3 values are inf or nan from a constant of the program")
+    assert "absorbed before the loss, which is finite" in lines[1] and "first: select_n" in lines[1]
+    assert "input of the loss function" not in str(report)
+    # The same mask with a finite fill has nothing to report.
+    finite = ls.range_report(_causal_lm_loss(float(jnp.finfo(jnp.float16).min)), w, x)
+    assert finite.loss_finite and not any(line.startswith("masked") for line in str(finite).splitlines())
+
+
+def test_a_mask_that_reaches_the_loss_is_a_failure_and_an_absorbed_input_mask_is_not():
+    w, x = jnp.full((4, 8), 0.1), jnp.ones((8, 4))
+
+    def unabsorbed(w, x):  # the masked scores are averaged into the loss
+        scores = (x @ w).astype(jnp.float16)
+        return jnp.mean(jnp.where(jnp.tril(jnp.ones((8, 8), bool)), scores, -2.38e38).astype(jnp.float32))
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        report = ls.range_report(unabsorbed, w, x)
+    assert not report.loss_finite and report.inputs_finite
+    head = str(report).splitlines()[0]
+    assert head.startswith("forward pass not finite: 4 values are inf or nan from a constant of the program")
+    assert "and so is the loss" in head and "input of the loss function" not in head
+
+    def with_bias(w, x, bias):  # an additive mask passed in, -inf where masked
+        scores = (x @ w).astype(jnp.float16) + bias
+        return -jnp.mean(jnp.diagonal(jax.nn.log_softmax(scores, axis=-1)).astype(jnp.float32))
+
+    bias = jnp.where(jnp.tril(jnp.ones((8, 8), bool)), 0.0, -jnp.inf).astype(jnp.float16)
+    report = ls.range_report(with_bias, w, x, bias)
+    assert report.loss_finite and not report.inputs_finite
+    (masked,) = [line for line in str(report).splitlines() if line.startswith("masked:")]
+    assert "because an input of the loss function is, and absorbed before the loss" in masked
 
 
 # --- 2. the whole module path ---------------------------------------------------------------
