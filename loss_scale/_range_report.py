@@ -243,8 +243,7 @@ def range_report(
             peak, zeros, below = cotangent_stats(ct)
             stats.append((peak, zeros / ct.size, below / ct.size, jnp.isfinite(peak)))
         reads_finite = [jnp.bool_(True)] * len(diff) + list(reads_finite)  # an argument reads nothing
-        measured = ([largest_magnitude(x) for x in diff] + forward, reads_finite)
-        return stats, (*measured, loss_finite, _all_finite(leaves))
+        return stats, ([largest_magnitude(x) for x in diff] + forward, reads_finite, loss_finite)
 
     backward = _compile_measurement(_only_member(backward, names))
 
@@ -256,7 +255,9 @@ def range_report(
         return all(bool(finite) for *_, finite in stats)
 
     dtypes = [jnp.dtype(leaf.dtype) for a, j, _ in arg_sites for leaf in [arrays[a][j]]] + [s.dtype for s in sites]
-    stats, (forward, reads_finite, loss_finite, inputs_finite) = run(scale)
+    stats, (forward, reads_finite, loss_finite) = run(scale)
+    # The arguments are the same at every scale: read once, not per run.
+    inputs_finite = jax.jit(_all_finite)(in_leaves)
     safe = _max_safe_scale(run, all_finite, stats, dtypes, scale)
     headroom = [math.nan] * len(stats)
     if safe is not None:

@@ -110,28 +110,9 @@ def test_no_op_and_bfloat16_add_no_kernel_and_no_byte(hlo_kernels, name, size, p
                 assert row[moved] - bare[moved] <= tolerance, (label, kind, moved, row[moved], bare[moved])
 
 
-def test_no_op_measures_again_when_a_statistic_is_asked_for():
-    params = {"w": jnp.zeros((512, 512)), "b": jnp.zeros((512,))}
-
-    def step(tx):
-        def update(params, state, grads):
-            updates, state = tx.update(grads, state, params)
-            return optax.apply_updates(params, updates), state
-
-        state = jax.eval_shape(tx.init, params)
-        return kernels_of(update, params, state, params, donate=(0, 1)).count
-
-    bare, no_op = step(optax.adam(1e-3)), step(ls.no_op(optax.adam(1e-3)))
-    assert no_op <= bare
-    assert step(ls.no_op(optax.adam(1e-3), skip_nonfinite=True)) > bare
-    assert step(ls.for_dtype(optax.adam(1e-3), jnp.bfloat16, track_grad_norm=True)) > bare
-
-
-def _tree_update_kernels(tx, leaves):
-    """Kernels of ``tx``'s update (with ``optax.apply_updates``, params and
-    state donated) of a tree of ``leaves`` float32 leaves, 256x256 weights
-    and 256 biases alternating."""
-    params = {f"p{i:03d}": jnp.zeros((256, 256) if i % 2 == 0 else (256,)) for i in range(leaves)}
+def update_kernels(tx, params) -> int:
+    """Kernels of ``tx``'s update of ``params`` (arrays or shapes) with
+    ``optax.apply_updates``, params and state donated."""
 
     def update(params, state, grads):
         updates, state = tx.update(grads, state, params)
@@ -140,19 +121,32 @@ def _tree_update_kernels(tx, leaves):
     return kernels_of(update, params, jax.eval_shape(tx.init, params), params, donate=(0, 1)).count
 
 
-@pytest.mark.parametrize("leaves", [4, 40])
-def test_the_other_paths_stay_within_the_budget(leaves):
+def test_no_op_measures_again_when_a_statistic_is_asked_for():
+    params = {"w": jnp.zeros((512, 512)), "b": jnp.zeros((512,))}
+
+    def step(tx):
+        return update_kernels(tx, params)
+
+    bare, no_op = step(optax.adam(1e-3)), step(ls.no_op(optax.adam(1e-3)))
+    assert no_op <= bare
+    assert step(ls.no_op(optax.adam(1e-3), skip_nonfinite=True)) > bare
+    assert step(ls.for_dtype(optax.adam(1e-3), jnp.bfloat16, track_grad_norm=True)) > bare
+
+
+@pytest.mark.parametrize("size", ["quick", "default"])  # the tree's 4 and 40 leaves
+def test_the_other_paths_stay_within_the_budget(size):
     """ls.no_op and ls.for_dtype(bfloat16) with skip_nonfinite=True add no
     more kernels than optax.apply_if_finite, which does what they do (skip a
     non-finite step, scale 1); ls.predictive's update without a measured
     peak (the steps between measurements) adds no more than ls.dynamic's."""
+    params = models.build_abstract("tree", "f32", size).params
     adam = lambda: optax.adam(1e-3)  # noqa: E731 - a fresh optimizer per transformation
-    bare = _tree_update_kernels(adam(), leaves)
-    apply_if_finite = _tree_update_kernels(optax.apply_if_finite(adam(), 5), leaves) - bare
+    bare = update_kernels(adam(), params)
+    apply_if_finite = update_kernels(optax.apply_if_finite(adam(), 5), params) - bare
     for tx in (ls.no_op(adam(), skip_nonfinite=True), ls.for_dtype(adam(), jnp.bfloat16, skip_nonfinite=True)):
-        assert _tree_update_kernels(tx, leaves) - bare <= apply_if_finite
-    dynamic = _tree_update_kernels(ls.dynamic(adam()), leaves) - bare
-    assert _tree_update_kernels(ls.predictive(adam()), leaves) - bare <= dynamic
+        assert update_kernels(tx, params) - bare <= apply_if_finite
+    dynamic = update_kernels(ls.dynamic(adam()), params) - bare
+    assert update_kernels(ls.predictive(adam()), params) - bare <= dynamic
 
 
 @pytest.mark.parametrize("name,size,against", [("tree", "default", PEERS), ("tree", "gpu", ("apply-if-finite",))])
@@ -190,8 +184,9 @@ def test_the_scalers_update_reads_the_gradients_once_more_than_bare_adam(hlo_ker
 )  # fmt: skip
 def test_the_scalers_add_no_more_kernels_than_the_leanest_peer(hlo_kernels, name, size, precision):
     """ls.dynamic through optax, ls.apply_gradients, the flax TrainState,
-    the NNX Optimizer, and ls.static: no more kernels than the fewest of optax.apply_if_finite, jmp
-    and flax add, in the update and in the whole step. The state's values
+    the NNX Optimizer, and ls.static: no more kernels than the fewest of
+    optax.apply_if_finite, jmp and flax add, in the update and in the whole
+    step. The state's values
     are one buffer (``loss_scale/_packed.py``), updated by one kernel."""
     from _harness import peers
 
