@@ -45,7 +45,7 @@ from loss_scale._jaxpr import bodies, is_dropped, is_literal, walk
 _THROUGH = (FOLLOW - BOUNDED) | {"convert_element_type"}
 
 
-def _jaxprs(top: Any) -> list[Any]:
+def program_jaxprs(top: Any) -> list[Any]:
     """``top`` and every body inside it, each once."""
     found, seen, stack = [], set(), [top]
     while stack:
@@ -75,7 +75,7 @@ def feeds_float32(jaxpr: Any, readers: frozenset = FLOAT32) -> frozenset:
       ['dot_general', 'mul', 'reduce_sum', 'broadcast_in_dim', 'div']
     """
     reach: set = set()
-    jaxprs = _jaxprs(jaxpr)
+    jaxprs = program_jaxprs(jaxpr)
 
     def mark(variables: Any) -> bool:
         new = [v for v in variables if not is_literal(v) and not is_dropped(v) and v not in reach]

@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 from jax.custom_derivatives import SymbolicZero
 
-from loss_scale._autocast._feeds import feeds_float32
+from loss_scale._autocast._feeds import feeds_float32, program_jaxprs
 from loss_scale._autocast._lists import (
     BEYOND_HALF,
     FLOAT32,
@@ -38,6 +38,7 @@ from loss_scale._autocast._lists import (
     HALF,
     SOFTMAX,
 )
+from loss_scale._autocast._softmax import Softmax, find_softmaxes, half_softmax
 from loss_scale._jaxpr import (
     CUSTOM_RULES,
     NO_LABELS,
@@ -178,10 +179,17 @@ class Autocast(Hooks):
     constants beyond the half range (``BEYOND_HALF``) with what moves or
     combines them."""
 
-    def __init__(self, dtype: np.dtype, feeding: frozenset = frozenset(), logits: frozenset = frozenset()):
+    def __init__(
+        self,
+        dtype: np.dtype,
+        feeding: frozenset = frozenset(),
+        logits: frozenset = frozenset(),
+        softmaxes: dict[Any, Softmax] | None = None,
+    ):
         self.dtype = np.dtype(dtype)
         self.largest = float(jnp.finfo(self.dtype).max)
         self.feeding, self.logits = feeding, logits
+        self.softmaxes = softmaxes or {}
         # Each traced value cast to a dtype once per trace, however many
         # operations read it: (id of the value, dtype) -> [(trace, the value,
         # its cast)]. The value is kept so that its id is not reused; the
@@ -247,8 +255,15 @@ class Autocast(Hooks):
         del eqn, frame
         return True
 
+    def _half_softmax(self, eqn: Any, frame: Frame) -> Softmax | None:
+        if self.dtype == _F32 or in_full_precision(eqn, frame):
+            return None
+        return self.softmaxes.get(eqn.outvars[0]) if eqn.outvars else None
+
     def propagate(self, eqn: Any, labels: Sequence[Labels], frame: Frame) -> list[Labels]:
         name = eqn.primitive.name
+        if self._half_softmax(eqn, frame) is not None:
+            return [NO_LABELS]
         if in_full_precision(eqn, frame) or name in FLOAT32:
             return [_PINNED] * len(eqn.outvars)
         floating = NO_LABELS.union(*(tag for v, tag in zip(eqn.invars, labels, strict=True) if _declared_f32(v)))
@@ -274,6 +289,13 @@ class Autocast(Hooks):
     ) -> list[Any]:
         eqn = equation.eqn
         name = eqn.primitive.name
+        softmax = self._half_softmax(eqn, equation.frame)
+        if softmax is not None:
+            # Probabilities read in half precision: kept in half precision
+            # for the backward pass, as the hand-cast model keeps them
+            # (``_softmax``).
+            with at_source(eqn):
+                return [half_softmax(equation.read(softmax.x), softmax.axes, self.dtype)]
         if equation.mode is Mode.ENTER:
             # The call's equations join the caller's under its name (as
             # ``jit(log_softmax)``), so errors and ``range_report`` still say
@@ -363,4 +385,6 @@ def rewrite(closed: Any, args: Sequence[Any], dtype: np.dtype) -> list[Any]:
     """The outputs of ``closed`` on ``args`` with each operation in the
     dtype its list gives it (``dtype`` the half precision)."""
     feeding, logits = feeds_float32(closed.jaxpr), feeds_float32(closed.jaxpr, SOFTMAX)
-    return Interpreter(Autocast(dtype, feeding, logits)).run(closed, args)
+    jaxprs = program_jaxprs(closed.jaxpr)
+    softmaxes = find_softmaxes(jaxprs, feeding)
+    return Interpreter(Autocast(dtype, feeding, logits, softmaxes)).run(closed, args)
