@@ -104,9 +104,9 @@ def _body_softmax(eqn: Any) -> Softmax | None:
     if closed is None:
         return None
     body = getattr(closed, "jaxpr", closed)
-    if len(body.outvars) != 1 or not body.eqns:
+    made_by = {v: e for _, e in walk(body) for v in e.outvars}
+    if len(body.outvars) != 1 or not made_by:
         return None
-    made_by = {v: e for e in body.eqns for v in e.outvars}
     last = made_by.get(body.outvars[0])
     found = None if last is None or last.primitive.name != "div" else _match(last, made_by)
     # Its input is one of the call's operands (jax 0.10's has a second: the
@@ -124,7 +124,7 @@ def find_softmaxes(jaxprs: Sequence[Any], exclude: frozenset) -> dict[Any, Softm
     output of its jaxpr."""
     found: dict[Any, Softmax] = {}
     for jaxpr in jaxprs:
-        made_by = {v: e for e in jaxpr.eqns for v in e.outvars}
+        made_by = {v: e for _, e in walk(jaxpr) for v in e.outvars}
         returned = {v for v in jaxpr.outvars if not is_literal(v)}
         for _, eqn in walk(jaxpr):
             name = eqn.primitive.name
