@@ -371,8 +371,7 @@ def test_autocast_keeps_the_attention_probabilities_in_half_precision():
     hand-cast float16 model's (jax 0.10.2: 1.04x, 0.12.1: 1.30x; 1.93x and
     1.71x when the backward pass kept a float32 copy of the probabilities)."""
     script = load_script(ROOT / "benchmarks" / "autocast_memory.py", "autocast_memory_script")
-    config = {"vocab": 1000, "d_model": 256, "n_layers": 2, "n_heads": 8, "n_kv_heads": 4, "seq_len": 2048}
-    versions = script.measure("llama", {**config, "batch_size": 4}, TARGET, ("hand-cast", "autocast"))["versions"]
+    versions = script.measure("llama", script.decoder_config(2048), TARGET, ("hand-cast", "autocast"))["versions"]
     ratio = versions["autocast"]["temp_mib"] / versions["hand-cast"]["temp_mib"]
     assert ratio <= 1.35, versions
 

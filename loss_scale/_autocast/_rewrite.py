@@ -256,7 +256,9 @@ class Autocast(Hooks):
         return True
 
     def _half_softmax(self, eqn: Any, frame: Frame) -> Softmax | None:
-        if self.dtype == _F32 or in_full_precision(eqn, frame):
+        """The softmax ``eqn`` ends, where its result is read in half
+        precision (``_softmax``), outside ``full_precision``."""
+        if in_full_precision(eqn, frame):
             return None
         return self.softmaxes.get(eqn.outvars[0]) if eqn.outvars else None
 

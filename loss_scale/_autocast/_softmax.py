@@ -13,8 +13,9 @@ softmax (``jax.nn.softmax``, inline or as its ``custom_jvp``, or the same
 operations written out) whose result only half-precision operations read
 (no ``FLOAT32`` operation, no output of its jaxpr) becomes one operation,
 ``half_softmax``: float32 inside its kernels, its result in half
-precision, and a derivative computed in float32 from that half-precision
-result (``y * (g - sum(y * g))``), which is what JAX keeps.
+precision, and a derivative computed from that half-precision result,
+which is what JAX keeps, in half precision as the hand-cast model's
+(``y * g - y * sum(y * g)``, the sum in float32).
 
 The pattern, in every form JAX writes it::
 
@@ -47,32 +48,27 @@ class Softmax(NamedTuple):
     axes: tuple[int, ...]
 
 
-def _made_by_max(var: Any, made_by: dict[Any, Any]) -> bool:
+def _past_moves(var: Any, made_by: dict[Any, Any]) -> Any:
+    """The equation that made ``var``, looking through moves."""
     eqn = made_by.get(var)
     while eqn is not None and eqn.primitive.name in _MOVES:
         eqn = made_by.get(eqn.invars[0])
-    return eqn is not None and eqn.primitive.name == "reduce_max"
+    return eqn
 
 
 def _source(var: Any, made_by: dict[Any, Any]) -> Any:
     """The equation that made ``var``, looking through moves and a
-    ``max(initial, .)`` (the guard ``jax.nn.softmax`` puts on its maximum)."""
-    while True:
-        eqn = made_by.get(var)
-        if eqn is None:
-            return None
-        name = eqn.primitive.name
-        if name in _MOVES:
-            var = eqn.invars[0]
-        elif name == "max":
-            # max(initial, reduce_max(x)): a softmax is the same whatever it
-            # subtracts (-inf, jax.nn.softmax's guard, changes nothing).
-            peaks = [v for v in eqn.invars if not is_literal(v) and _made_by_max(v, made_by)]
-            if len(peaks) != 1:
-                return eqn
-            var = peaks[0]
-        else:
-            return eqn
+    ``max(initial, .)`` (the guard ``jax.nn.softmax`` puts on its maximum:
+    a softmax is the same whatever it subtracts)."""
+    eqn = _past_moves(var, made_by)
+    if eqn is None or eqn.primitive.name != "max":
+        return eqn
+    peaks = [
+        made
+        for v in eqn.invars
+        if not is_literal(v) and (made := _past_moves(v, made_by)) is not None and made.primitive.name == "reduce_max"
+    ]
+    return peaks[0] if len(peaks) == 1 else eqn
 
 
 def _match(div: Any, made_by: dict[Any, Any]) -> Softmax | None:
@@ -142,8 +138,9 @@ def find_softmaxes(jaxprs: Sequence[Any], exclude: frozenset) -> dict[Any, Softm
 
 def half_softmax(x: jax.Array, axes: tuple[int, ...], dtype: Any) -> jax.Array:
     """``softmax(x)`` over ``axes`` computed in float32, returned in
-    ``dtype``; its derivative, in float32, reads that result (the one array
-    the backward pass keeps) and returns ``x``'s dtype.
+    ``dtype``; its derivative reads that result (the one array the backward
+    pass keeps), runs in ``dtype`` with its sum in float32, and returns
+    ``x``'s dtype.
 
     Examples:
       >>> import jax.numpy as jnp
@@ -171,7 +168,7 @@ def half_softmax(x: jax.Array, axes: tuple[int, ...], dtype: Any) -> jax.Array:
         # In half precision, as the hand-cast model's derivative runs, but
         # written so that nothing overflows: |y * g| <= |g|, the sum of
         # those products is taken in float32 and is at most max|g|, and
-        # y * g - y * sum is exactly y * (g - sum), at most max|g| / 2
+        # y * g - y * sum, equal to y * (g - sum), is at most max|g| / 2
         # (where g - sum, multiplied by a zero probability, could be an
         # infinity and make a NaN).
         g = g.astype(dtype)
