@@ -186,3 +186,26 @@ def test_todays_decoders_under_autocast_give_float32s_loss_and_gradient(style):
     assert abs(float(hand.loss_fn(hand.params, hand.batch)) - float(loss)) < 1e-2 * float(loss)
     for a, b in zip(jax.tree.leaves(auto_grads), jax.tree.leaves(grads), strict=True):
         assert float(jnp.max(jnp.abs(a - b))) <= 5e-2 * float(jnp.max(jnp.abs(b))) + 1e-6
+
+
+@pytest.mark.parametrize("transform", ["vmap", "checkpoint", "jit"])
+def test_half_probabilities_under_vmap_checkpoint_and_jit(softmax_form, transform):
+    """The attention, vmapped over its batch, under jax.checkpoint, or
+    jitted: the softmax is still found, and the gradient is float32's."""
+    params, x = inputs()
+
+    def loss(p, x):
+        return attention(p, x, SOFTMAXES["jax.nn.softmax"])
+
+    if transform == "vmap":
+        wrapped = lambda p, x: jnp.mean(jax.vmap(lambda xi: loss(p, xi[None]))(x))  # noqa: E731
+    elif transform == "checkpoint":
+        wrapped = jax.checkpoint(loss)
+    else:
+        wrapped = jax.jit(loss)
+    auto = ls.autocast(wrapped)
+    assert [e for e in equations(auto, params, x) if e.primitive.name == "custom_vjp_call"]
+    grad, reference = jax.grad(auto)(params, x), jax.grad(wrapped)(params, x)
+    for key in "qkv":
+        scale = float(jnp.max(jnp.abs(reference[key])))
+        assert float(jnp.max(jnp.abs(grad[key] - reference[key]))) < 2e-2 * scale, key
