@@ -47,7 +47,10 @@ if __name__ == "__main__" and any(a == "--target" or a.startswith("--target=") f
 import jax  # noqa: E402
 from _harness import cli, hlo, models, peers, provenance, tables  # noqa: E402
 
-VARIANTS = ("bare", "ls", "ls-fused", "ls-static", "ls-no-op", "ls-bf16", "ls-nnx", "apply-if-finite", "jmp", "flax")
+VARIANTS = (
+    "bare", "ls", "ls-fused", "ls-static", "ls-no-op", "ls-bf16", "ls-nnx", "apply-if-finite", "jmp", "flax",
+    "eqx-bare", "eqx-ls",
+)  # fmt: skip
 MIB = 1 << 20
 
 
@@ -67,22 +70,40 @@ def measure(
     dump: str | None = None,
     target: str | None = None,
 ) -> list[dict[str, Any]]:
-    """One row per variant and kind: kernels, bytes, and against bare Adam;
-    compiled for this machine's backend, or for GPU ``target`` from shapes."""
+    """One row per variant and kind: kernels, bytes, and against its
+    baseline (bare Adam; for an Equinox row, Adam on the same ``eqx.Module``,
+    where the model has an Equinox version); compiled for this machine's
+    backend, or for GPU ``target`` from shapes."""
     if dump:
         os.makedirs(dump, exist_ok=True)
-    model = models.build(name, precision, size) if target is None else models.build_abstract(name, precision, size)
-    variants, _ = peers.build([k for k in variant_keys if not k.endswith("overflow")], {peers.PYTREE: model})
+    keys = [k for k in variant_keys if not k.endswith("overflow")]
     if target is None:
-        grads = jax.jit(jax.grad(model.loss_fn))(model.params, model.batch)
-        scaled = jax.tree.map(lambda g: g * peers.LOSS_SCALE, grads)
+        build, build_equinox = models.build, models.build_equinox
     else:
-        grads = scaled = jax.eval_shape(jax.grad(model.loss_fn), model.params, model.batch)
-    found: dict[tuple[str, str], hlo.Kernels] = {}
-    for v in variants:
-        if v.family != peers.PYTREE or v.same_as is not None:
+        build, build_equinox = models.build_abstract, models.build_equinox_abstract
+    family_models = {peers.PYTREE: build(name, precision, size)}
+    if set(peers.resolve(keys)) & set(peers.EQUINOX_KEYS):
+        family_models[peers.EQUINOX] = build_equinox(name, precision, size)
+    variants, _ = peers.build(keys, family_models)
+    gradients = {}  # family -> (gradients, scaled gradients)
+    for family, model in family_models.items():
+        if model is None:
             continue
+        if target is None:
+            grads = jax.jit(jax.grad(model.loss_fn))(model.params, model.batch)
+            gradients[family] = grads, jax.tree.map(lambda g: g * peers.LOSS_SCALE, grads)
+        else:
+            grads = jax.eval_shape(jax.grad(model.loss_fn), model.params, model.batch)
+            gradients[family] = grads, grads
+    found: dict[tuple[str, str], hlo.Kernels] = {}
+    baselines: dict[str, str] = {}
+    for v in variants:
+        if v.same_as is not None:
+            continue
+        model = family_models[v.family]
+        baselines[v.name] = v.baseline or v.name
         opt_state, extra = v.init(model.params) if target is None else jax.eval_shape(v.init, model.params)
+        grads, scaled = gradients[v.family]
         for kind in kinds:
             if kind == "step":
                 fn, last = v.train_step, model.batch
@@ -94,13 +115,16 @@ def measure(
             found[v.name, kind] = hlo.kernels(text, int(min_mib * MIB))
     rows = []
     for (variant, kind), k in found.items():
-        base = found[peers.BARE, kind]
+        # Against the variant's own baseline: an Equinox row against Adam
+        # on the same eqx.Module (which is against the plain pytree's).
+        base = found[baselines[variant], kind]
         rows.append(
             {
                 "model": name,
                 "target": target or jax.default_backend(),
                 "precision": precision,
                 "variant": variant,
+                "baseline": baselines[variant],
                 "kind": kind,
                 "kernels": k.count,
                 "extra_kernels": k.count - base.count,

@@ -184,16 +184,22 @@ def test_the_scalers_update_reads_the_gradients_once_more_than_bare_adam(hlo_ker
 )  # fmt: skip
 def test_the_scalers_add_no_more_kernels_than_the_leanest_peer(hlo_kernels, name, size, precision):
     """ls.dynamic through optax, ls.apply_gradients, the flax TrainState,
-    the NNX Optimizer, and ls.static: no more kernels than the fewest of
-    optax.apply_if_finite, jmp and flax add, in the update and in the whole
-    step. The state's values
-    are one buffer (``loss_scale/_packed.py``), updated by one kernel."""
+    the NNX Optimizer, Equinox (``loss_scale.equinox``, against Adam on the
+    same ``eqx.Module``; the MLP has an Equinox version) and ls.static: no
+    more kernels than the fewest of optax.apply_if_finite, jmp and flax add,
+    in the update and in the whole step. The state's values are one buffer
+    (``loss_scale/_packed.py``), updated by one kernel."""
     from _harness import peers
 
-    rows = budget_rows(hlo_kernels, name, precision, size, ["update", "step"], (*SCALERS, *PEERS))
+    scalers = [peers.LS, peers.LS_FUSED, peers.LS_STATIC, peers.LS_NNX, peers.LS_TRAIN_STATE]
+    equinox = ("eqx-ls",) if name == "mlp" else ()
+    rows = budget_rows(hlo_kernels, name, precision, size, ["update", "step"], (*SCALERS, *PEERS, *equinox))
+    if equinox:
+        scalers.append(peers.EQX_LS)
     for kind in ("update", "step"):
         fewest = min(rows[label, kind]["extra_kernels"] for label in (peers.APPLY_IF_FINITE, peers.JMP, peers.FLAX))
-        for label in (peers.LS, peers.LS_FUSED, peers.LS_STATIC, peers.LS_NNX, peers.LS_TRAIN_STATE):
+        for label in scalers:
+            assert rows[label, kind]["baseline"] == (peers.EQX_BARE if label == peers.EQX_LS else peers.BARE)
             assert rows[label, kind]["extra_kernels"] <= fewest, (label, kind, rows[label, kind]["extra_kernels"])
 
 

@@ -343,11 +343,18 @@ def build_abstract(name: str, precision: str, size: str = "default") -> Model:
     ``jax.ShapeDtypeStruct``s: nothing param-sized is drawn or allocated, so
     a program can be compiled for a device (``gpu.compile_for``) from a
     model that would not fit this machine's memory."""
+    return _abstract(build, name, precision, size)
+
+
+def _abstract(builder: Callable[..., Model | None], *args: Any) -> Model | None:
+    """``builder(*args)`` with params and batch as shapes (see ``build_abstract``)."""
     token = _ABSTRACT.set(True)
     try:
-        model = build(name, precision, size)
+        model = builder(*args)
     finally:
         _ABSTRACT.reset(token)
+    if model is None:
+        return None
     shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), (model.params, model.batch))
     return model._replace(params=shapes[0], batch=shapes[1])
 
@@ -359,3 +366,8 @@ def build_equinox(name: str, precision: str, size: str = "default") -> Model | N
         return None
     sizes, batch_size = MLP_CONFIGS[size]
     return make_eqx_mlp(precision, sizes, batch_size)
+
+
+def build_equinox_abstract(name: str, precision: str, size: str = "default") -> Model | None:
+    """``build_equinox`` from shapes alone, as ``build_abstract`` builds."""
+    return _abstract(build_equinox, name, precision, size)
