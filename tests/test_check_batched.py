@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from loss_scale import _check
 from loss_scale._check import SMALL_LEAF, gradient_stats
 
 F16_TINY = float(np.finfo(np.float16).tiny)
@@ -110,3 +111,55 @@ def test_the_small_leaves_of_a_tiny_model_are_checked_by_one_reduction():
     assert len(reductions) == 1
     assert reductions[0].invars[0].aval.shape == (4, 256)  # padded to the widest class
     check([np.asarray(x) for x in leaves[:2]] + [np.full((16, 8), np.inf, np.float32), np.ones(8, np.float32)], 1.0)
+
+
+@pytest.fixture
+def reduced_by_rows(monkeypatch):
+    """The check as a GPU compiles it (``_check._reduced_by_rows``: big
+    leaves reduced over their rows first, then every row's result at once),
+    run here in place of the CPU's form; the number of times it was traced.
+    Traces made with it are dropped before and after."""
+    traced = []
+
+    def by_rows(batches):
+        traced.append(len(batches))
+        return _check._reduced_by_rows(*batches)
+
+    jax.clear_caches()
+    monkeypatch.setattr(_check, "_peak_of_batches", by_rows)
+    yield traced
+    jax.clear_caches()
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        [(64, 512), (512,), (300, 7)],  # rows of 512: reduced by rows
+        [(2, 3, 4096), (24, 1024), (9,)],  # a leaf of three axes, rows along the first
+        [(40000, 2), (20000,)],  # rows too short, a long vector: reduced whole
+        [(128, 256), (128, 256), (64, 16), (16,)],
+    ],
+)
+@pytest.mark.parametrize("dtype", ["float32", "float16", "bfloat16"])
+def test_the_gpus_reduction_by_rows_finds_what_numpy_finds(reduced_by_rows, shapes, dtype):
+    sizes = [int(np.prod(shape)) for shape in shapes]
+
+    def leaves(poison):
+        flat = make_leaves(sizes, [dtype] * len(sizes), poison, 3)
+        return [x.reshape(shape) for x, shape in zip(flat, shapes, strict=True)]
+
+    check(leaves({}), 2.0**8)
+    for kind in (np.nan, np.inf, -np.inf):
+        check(leaves({0: kind}), 2.0**8)
+        check(leaves({len(shapes) - 1: kind}), 1.0)
+    assert reduced_by_rows  # the GPU's form was the one traced
+
+
+def test_the_gpus_reduction_by_rows_finds_a_poison_in_the_last_row(reduced_by_rows):
+    for row in (0, 63):
+        x = np.ones((64, 512), np.float32)
+        x[row, 511] = np.nan
+        check([x, np.ones(10, np.float32)], 1.0)
+    big = np.ones((64, 512), np.float32)
+    big[63, 0] = 3e38  # finite, but overflows once unscaled
+    check([big], 0.5)

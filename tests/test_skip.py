@@ -13,21 +13,10 @@ import optax
 import pytest
 
 import loss_scale as ls
-from loss_scale._jaxpr import sub_jaxprs
 from tests._compare import assert_trees_bitwise
+from tests._jaxprs import primitives
 
 PARAMS = {"w": jnp.arange(6.0).reshape(2, 3), "b": jnp.array([-0.0, 1.0, 2.0])}
-
-
-def primitives(fn, *args) -> set[str]:
-    closed = jax.make_jaxpr(fn)(*args)
-    names, stack = set(), [closed.jaxpr]
-    while stack:
-        jaxpr = stack.pop()
-        for eqn in jaxpr.eqns:
-            names.add(eqn.primitive.name)
-            stack.extend(sub_jaxprs(eqn.params))
-    return names
 
 
 def with_control_flow(inner):

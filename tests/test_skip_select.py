@@ -33,9 +33,9 @@ import pytest
 from jax.experimental import checkify
 
 import loss_scale as ls
-from loss_scale._jaxpr import sub_jaxprs
 from loss_scale._low_precision._rounding import random_bits, round_stochastic
 from tests._compare import assert_trees_bitwise, assert_trees_close
+from tests._jaxprs import primitives
 from tests.test_composition_optimizers import (
     OPTIMIZERS,
     PARAMS,
@@ -374,15 +374,6 @@ CUSTOM = {**KNOWN, **UNKNOWN}
 NOT_REVERSE = {"while_newton", "pure_callback"}
 # The zoo's optimizers whose update has no control flow take the select path.
 SELECT_PATH = [name for name in OPTIMIZERS if name not in ("novograd", "multisteps_adam", "muon")]
-
-
-def primitives(fn, *args) -> set[str]:
-    names, stack = set(), [jax.make_jaxpr(fn)(*args).jaxpr]
-    while stack:
-        for eqn in stack.pop().eqns:
-            names.add(eqn.primitive.name)
-            stack.extend(sub_jaxprs(eqn.params))
-    return names
 
 
 def branched(make) -> bool:
