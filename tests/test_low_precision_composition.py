@@ -18,6 +18,7 @@ from jax.sharding import PartitionSpec as P
 
 import loss_scale as ls
 from tests._compare import assert_trees_bitwise, assert_trees_close
+from tests._jaxprs import primitives
 
 BF16, F16, F32 = jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16), jnp.dtype(jnp.float32)
 N = 4
@@ -85,8 +86,7 @@ def test_loss_scaling_skips_without_a_branch_and_without_a_nan(rounding):
     tx = make_tx(rounding)
     params = make_params(F16)
     state = tx.init(params)
-    jaxpr = jax.make_jaxpr(lambda p, s, g: ls.apply_gradients(tx, g, s, p))(params, state, params)
-    names = {eqn.primitive.name for eqn in jaxpr.jaxpr.eqns}
+    names = primitives(lambda p, s, g: ls.apply_gradients(tx, g, s, p), params, state, params)
     assert "cond" not in names and "custom_jvp_call" in names
     step = jax.jit(lambda p, s, g: ls.apply_gradients(tx, g, s, p))
     overflow = jax.tree.map(lambda g: g.at[0].set(jnp.inf), grads_for(0, params, scale=16.0))
