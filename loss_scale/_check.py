@@ -51,10 +51,14 @@ def peak_and_finite(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax
     unrolled optimisation) sees a constant check.
     """
     x = jax.lax.stop_gradient(x)
-    magnitude = _magnitude(x)
-    zero = jnp.zeros((), magnitude.dtype)
-    peak, finite = jax.lax.reduce((magnitude, jnp.isfinite(x)), (zero, jnp.array(True)), _max_and_all, axes)
-    return peak, finite
+    return _max_and_all_over(_magnitude(x), jnp.isfinite(x), axes)
+
+
+def _max_and_all_over(magnitudes: jax.Array, flags: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
+    """``(max(magnitudes), all(flags))`` over ``axes``: one variadic
+    reduction, each element read once."""
+    zero = jnp.zeros((), magnitudes.dtype)
+    return jax.lax.reduce((magnitudes, flags), (zero, jnp.array(True)), _max_and_all, axes)
 
 
 def largest_magnitude(x: jax.Array) -> jax.Array:
@@ -354,9 +358,7 @@ def _reduced_by_rows(*batches: jax.Array) -> tuple[jax.Array, jax.Array]:
         peak, flag = peak_and_finite(b, tuple(range(2 if _by_rows(b) else 0, b.ndim)))
         peaks.append(peak.reshape(-1))
         flags.append(flag.reshape(-1))
-    peaks, flags = jnp.concatenate(peaks), jnp.concatenate(flags)
-    zero = jnp.zeros((), peaks.dtype)
-    return jax.lax.reduce((peaks, flags), (zero, jnp.array(True)), _max_and_all, (0,))
+    return _max_and_all_over(jnp.concatenate(peaks), jnp.concatenate(flags), (0,))
 
 
 def _peak_of_batches(batches: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
@@ -368,7 +370,7 @@ def _peak_of_batches(batches: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
     is reduced over its rows (a big leaf's leading axis kept), and the rows'
     results of every batch are reduced together, one kernel more in all. On
     an H100 that halves what the check adds to an update (a 160-leaf tree:
-    +165 kernels to +86; ``benchmarks/hlo_kernels.py --target h100``).
+    +165 kernels to +87; ``benchmarks/hlo_kernels.py --target h100``).
     Elsewhere (XLA:CPU, TPU) each batch is reduced whole, in one loop, and
     the scalar results are combined (``_combined``)."""
     return jax.lax.platform_dependent(*batches, cuda=_reduced_by_rows, rocm=_reduced_by_rows, default=_reduced_whole)
