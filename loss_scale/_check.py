@@ -138,12 +138,15 @@ class _Batch(NamedTuple):
     ``indices[j]``, a large leaf in its own shape, small ones flattened and
     padded with zeros to the batch's width (zeros are finite, do not raise
     the peak and add nothing to a norm; ``padding`` counts them per row).
-    Each row is reduced over all its axes."""
+    Each row is reduced over all its axes. ``parts`` are the same leaves
+    unbatched: the big leaf's ``values``, or the small leaves themselves
+    (which a GPU's check reads without stacking them, ``_reduced_by_rows``)."""
 
     indices: list[int]
     values: jax.Array
     padding: np.ndarray
     sharded: bool
+    parts: list[jax.Array]
 
 
 def _batches(leaves: list, axis_name: AxisName | None) -> list[_Batch]:
@@ -164,7 +167,7 @@ def _batches(leaves: list, axis_name: AxisName | None) -> list[_Batch]:
         varying = varying_axes(jax.typeof(x))
         sharded = axis_name is not None and bool(axis_names(axis_name) & varying)
         if x.size > SMALL_LEAF:
-            batches.append(_Batch([i], x[None], np.zeros(1), sharded))
+            batches.append(_Batch([i], x[None], np.zeros(1), sharded, [x[None]]))
         else:
             width = 1 << max(x.size - 1, 0).bit_length()
             buckets.setdefault((x.dtype, varying, width), []).append(i)
@@ -176,7 +179,7 @@ def _batches(leaves: list, axis_name: AxisName | None) -> list[_Batch]:
             values = jnp.stack([jnp.pad(row, (0, width - row.size)) for row in rows])
             padding = np.array([width - row.size for row in rows], np.float32)
         sharded = axis_name is not None and bool(axis_names(axis_name) & varying_axes(jax.typeof(values)))
-        batches.append(_Batch(indices, values, padding, sharded))
+        batches.append(_Batch(indices, values, padding, sharded, [leaves[i] for i in indices]))
     return batches
 
 
@@ -243,7 +246,7 @@ def gradient_stats(
             peak, finite = peak_and_finite(values, tuple(range(1, values.ndim)))
             groups.setdefault(peak.dtype, []).append((batch.indices, peak, finite))
         else:
-            groups.setdefault(jnp.finfo(values.dtype).dtype, []).append(values)
+            groups.setdefault(jnp.finfo(values.dtype).dtype, []).append(batch)
         if with_norm or with_underflow:
             row = []
             if with_norm:
@@ -332,9 +335,9 @@ def _combined(reduction, values: list[jax.Array]) -> jax.Array:
 
 
 # A big leaf is reduced in two steps on a GPU (``_peak_of_batches``) only
-# where its rows are at least this long: the row results are written and read once
-# more, 10 bytes each against 4 or 2 per element read, so at most about 2%
-# more traffic than reducing it whole.
+# where its rows are at least this long: each row's result is written, copied
+# and read once more, at most 12 bytes against at least 512 read for the row,
+# so at most about 2% more traffic than reducing it whole.
 MIN_PARTIAL_ROW = 256
 
 
@@ -343,37 +346,105 @@ def _reduced_whole(*batches: jax.Array) -> tuple[jax.Array, jax.Array]:
     return _combined(jnp.max, [peak for peak, _ in pairs]), _combined(jnp.all, [flag for _, flag in pairs])
 
 
-def _by_rows(batch: jax.Array) -> bool:
-    # A big leaf of two or more axes is a batch [1, *shape]: its rows are
-    # along the leaf's leading axis. A batch of small leaves, at most
-    # SMALL_LEAF elements, is one kernel reduced whole.
-    return batch.ndim >= 3 and batch.size >= batch.shape[1] * MIN_PARTIAL_ROW
+def _by_rows(part: jax.Array) -> bool:
+    # A big leaf of two or more axes is a part [1, *shape]: its rows are
+    # along the leaf's leading axis.
+    return part.ndim >= 3 and part.size >= part.shape[1] * MIN_PARTIAL_ROW
 
 
-def _reduced_by_rows(*batches: jax.Array) -> tuple[jax.Array, jax.Array]:
-    if not any(_by_rows(b) for b in batches):
-        return _reduced_whole(*batches)
-    peaks, flags = [], []
-    for b in batches:
-        peak, flag = peak_and_finite(b, tuple(range(2 if _by_rows(b) else 0, b.ndim)))
-        peaks.append(peak.reshape(-1))
-        flags.append(flag.reshape(-1))
-    return _max_and_all_over(jnp.concatenate(peaks), jnp.concatenate(flags), (0,))
+def _magnitude_or_inf(x: jax.Array) -> jax.Array:
+    """``|x|``, and ``inf`` where ``x`` is NaN: a float ``max`` over it is
+    inf exactly when an element is not finite, and no NaN is left for the
+    ``max`` to drop. One reduction of one array, the lightest a GPU runs.
+    In ``x``'s real dtype where that holds an infinity, else float32 (which
+    holds every magnitude of a narrower format exactly)."""
+    x = jax.lax.stop_gradient(x)
+    wide = _with_inf(x.dtype)
+    return jnp.where(jnp.isnan(x), jnp.array(jnp.inf, wide), _magnitude(x).astype(wide))
 
 
-def _peak_of_batches(batches: list[jax.Array]) -> tuple[jax.Array, jax.Array]:
+def _with_inf(dtype: jnp.dtype) -> jnp.dtype:
+    """``dtype``'s real dtype where it holds an infinity, else float32."""
+    real = jnp.finfo(dtype).dtype
+    return (
+        real if np.isinf(np.array(np.inf).astype(real)) else jnp.dtype(jnp.float32)
+    )  # the formats without one are narrower
+
+
+# A batch of small leaves is reduced on a GPU at most this many leaves per
+# kernel: a stack fused into the reduction that reads it is emitted as a
+# choice among its operands at every element, whose code grows with their
+# number (62 operands took LLVM half a second to compile).
+SMALL_LEAVES_PER_KERNEL = 16
+
+
+def _row_results(part: jax.Array) -> jax.Array:
+    """A big leaf's row maxima (its leading axis kept), or its maximum."""
+    first = 2 if _by_rows(part) else 0
+    return jnp.max(_magnitude_or_inf(part), axis=tuple(range(first, part.ndim))).reshape(-1)
+
+
+def _small_results(leaves: list[jax.Array]) -> list[jax.Array]:
+    """One maximum per small leaf of a batch: at most
+    ``SMALL_LEAVES_PER_KERNEL`` of them flattened, zero-padded to the
+    widest and stacked, one reduction each."""
+    results = []
+    for at in range(0, len(leaves), SMALL_LEAVES_PER_KERNEL):
+        rows = [leaf.reshape(-1) for leaf in leaves[at : at + SMALL_LEAVES_PER_KERNEL]]
+        width = max(row.size for row in rows)
+        stacked = _magnitude_or_inf(jnp.stack([jnp.pad(row, (0, width - row.size)) for row in rows]))
+        results.append(jnp.max(stacked, axis=1, initial=0.0))
+    return results
+
+
+def _reduced_by_rows(groups: list[list[jax.Array]]) -> tuple[jax.Array, jax.Array]:
+    """The GPU's form of ``_peak_of_batches``, given each batch's ``parts``."""
+    dtype = jnp.finfo(groups[0][0].dtype).dtype  # the peak of complex leaves is real
+    results = []
+    for parts in groups:
+        big = len(parts) == 1 and parts[0].size > SMALL_LEAF
+        results += [_row_results(parts[0])] if big else _small_results(parts)
+    # The results are one array, written by a kernel of its own (XLA emits
+    # a concatenation operand by operand) and read by one more reduction;
+    # fused into that reduction, a concatenation of a hundred operands took
+    # LLVM seconds to compile (see SMALL_LEAVES_PER_KERNEL).
+    (joined,) = jax.lax.optimization_barrier((jnp.concatenate(results),))
+    peak = jnp.max(joined, initial=0.0)
+    return peak.astype(dtype), jnp.isfinite(peak)
+
+
+def _peak_of_batches(batches: list[_Batch]) -> tuple[jax.Array, jax.Array]:
     """``(max|x|, all(isfinite(x)))`` over every element of ``batches`` (of
     one real dtype), each element read once.
 
     On XLA:GPU a reduction of a whole large array is two kernels (XLA splits
-    it to use the whole GPU), a reduction of its rows one: there each batch
-    is reduced over its rows (a big leaf's leading axis kept), and the rows'
-    results of every batch are reduced together, one kernel more in all. On
-    an H100 that halves what the check adds to an update (a 160-leaf tree:
-    +165 kernels to +87; ``benchmarks/hlo_kernels.py --target h100``).
-    Elsewhere (XLA:CPU, TPU) each batch is reduced whole, in one loop, and
-    the scalar results are combined (``_combined``)."""
-    return jax.lax.platform_dependent(*batches, cuda=_reduced_by_rows, rocm=_reduced_by_rows, default=_reduced_whole)
+    it to use the whole GPU), a reduction of its rows one. There each big
+    leaf is reduced over its rows (its leading axis kept), and one kernel
+    writes the rows' results and the small leaves' magnitudes into one
+    array, which one more reduction reads: two kernels besides one per big
+    leaf. On an H100 that halves what the check adds to an update (a
+    160-leaf tree: +165 kernels to +86; ``benchmarks/hlo_kernels.py
+    --target h100``). Elsewhere (XLA:CPU, TPU) each batch is reduced whole,
+    in one loop, and the scalar results are combined (``_combined``); each
+    platform's program holds only its own form."""
+    stacked = [batch.values for batch in batches]
+    parts = [part for batch in batches for part in batch.parts]
+
+    def whole(*arrays):
+        return _reduced_whole(*arrays[: len(stacked)])
+
+    def by_rows(*arrays):
+        if not any(_by_rows(b.values) for b in batches) and all(
+            len(b.parts) <= SMALL_LEAVES_PER_KERNEL for b in batches
+        ):
+            return whole(*arrays)  # no row to save: each batch is one kernel already
+        groups, at = [], len(stacked)
+        for batch in batches:
+            groups.append(list(arrays[at : at + len(batch.parts)]))
+            at += len(batch.parts)
+        return _reduced_by_rows(groups)
+
+    return jax.lax.platform_dependent(*stacked, *parts, cuda=by_rows, rocm=by_rows, default=whole)
 
 
 def _combined_stats(

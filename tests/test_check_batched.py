@@ -116,14 +116,14 @@ def test_the_small_leaves_of_a_tiny_model_are_checked_by_one_reduction():
 @pytest.fixture
 def reduced_by_rows(monkeypatch):
     """The check as a GPU compiles it (``_check._reduced_by_rows``: big
-    leaves reduced over their rows first, then every row's result at once),
-    run here in place of the CPU's form; the number of times it was traced.
-    Traces made with it are dropped before and after."""
+    leaves reduced over their rows first, then every row's result and every
+    small leaf at once), run here in place of the CPU's form; the number of
+    times it was traced. Traces made with it are dropped before and after."""
     traced = []
 
     def by_rows(batches):
         traced.append(len(batches))
-        return _check._reduced_by_rows(*batches)
+        return _check._reduced_by_rows([batch.parts for batch in batches])
 
     jax.clear_caches()
     monkeypatch.setattr(_check, "_peak_of_batches", by_rows)
@@ -163,3 +163,54 @@ def test_the_gpus_reduction_by_rows_finds_a_poison_in_the_last_row(reduced_by_ro
     big = np.ones((64, 512), np.float32)
     big[63, 0] = 3e38  # finite, but overflows once unscaled
     check([big], 0.5)
+
+
+def test_the_gpus_form_on_many_small_leaves_empty_ones_and_integers(reduced_by_rows):
+    # Small leaves only: the GPU's form reads them through the one
+    # concatenation, where the last reduction takes their magnitudes.
+    rng = np.random.default_rng(5)
+    sizes = [int(s) for s in rng.integers(0, 3000, size=60)] + [0, 0, SMALL_LEAF, SMALL_LEAF + 1, 1]
+    dtypes = [rng.choice(["float32", "float16", "bfloat16", "int32"]) for _ in sizes]
+    check(make_leaves(sizes, dtypes, {}, 2), 2.0**10)
+    for kind in (np.nan, np.inf, -np.inf):
+        floating = [i for i, d in enumerate(dtypes) if d != "int32" and sizes[i]]
+        check(make_leaves(sizes, dtypes, {floating[-1]: kind}, 2), 2.0**10)
+    check([np.zeros(0, np.float32), np.zeros((0, 3), np.float16)], 1.0)  # nothing to read: finite, peak 0
+    assert reduced_by_rows
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fn", "float8_e5m2"])
+def test_the_gpus_form_on_float8_leaves_with_and_without_an_infinity(reduced_by_rows, dtype):
+    # e4m3fn holds no infinity: its magnitudes are taken in float32, where a
+    # NaN becomes inf; e5m2 holds one and stays in its own format.
+    big = np.ones((64, 512), np.float32).astype(dtype)
+    small = (np.arange(100, dtype=np.float32) / 4).astype(dtype)
+    stats = jax.jit(gradient_stats, static_argnums=(2, 3, 4, 5))(
+        [jnp.asarray(big), jnp.asarray(small)], jnp.float32(1.0), False, False, None, False
+    )
+    assert bool(stats.finite) and float(stats.grad_max) == float(small.astype(np.float32).max())
+    for poisoned in ("big", "small"):
+        leaves = [big.copy(), small.copy()]
+        target = leaves[0] if poisoned == "big" else leaves[1]
+        target.reshape(-1)[7] = np.nan
+        stats = jax.jit(gradient_stats, static_argnums=(2, 3, 4, 5))(
+            [jnp.asarray(x) for x in leaves], jnp.float32(1.0), False, False, None, False
+        )
+        assert not bool(stats.finite), poisoned
+        assert float(stats.grad_max) == np.inf
+    assert reduced_by_rows
+
+
+def test_the_gpus_form_on_complex_leaves(reduced_by_rows):
+    big = (np.ones((64, 512)) + 2j * np.ones((64, 512))).astype(np.complex64)
+    small = (np.arange(10) - 3j * np.arange(10)).astype(np.complex64)
+    stats = jax.jit(gradient_stats, static_argnums=(2, 3, 4, 5))(
+        [jnp.asarray(big), jnp.asarray(small)], jnp.float32(1.0), False, False, None, False
+    )
+    assert bool(stats.finite) and float(stats.grad_max) == 27.0  # the larger of |re| and |im|
+    small[4] = complex(1.0, np.nan)
+    stats = jax.jit(gradient_stats, static_argnums=(2, 3, 4, 5))(
+        [jnp.asarray(big), jnp.asarray(small)], jnp.float32(1.0), False, False, None, False
+    )
+    assert not bool(stats.finite)
+    assert reduced_by_rows
