@@ -419,14 +419,14 @@ def _peak_of_batches(batches: list[_Batch]) -> tuple[jax.Array, jax.Array]:
 
     On XLA:GPU a reduction of a whole large array is two kernels (XLA splits
     it to use the whole GPU), a reduction of its rows one. There each big
-    leaf is reduced over its rows (its leading axis kept), and one kernel
-    writes the rows' results and the small leaves' magnitudes into one
-    array, which one more reduction reads: two kernels besides one per big
-    leaf. On an H100 that halves what the check adds to an update (a
-    160-leaf tree: +165 kernels to +86; ``benchmarks/hlo_kernels.py
-    --target h100``). Elsewhere (XLA:CPU, TPU) each batch is reduced whole,
-    in one loop, and the scalar results are combined (``_combined``); each
-    platform's program holds only its own form."""
+    leaf is reduced over its rows (its leading axis kept), small leaves at
+    most ``SMALL_LEAVES_PER_KERNEL`` to a kernel, and one kernel writes
+    their results into one array, which one more reduction reads. On an
+    H100 that halves what the check adds to an update (a 160-leaf tree:
+    +165 kernels to +90; ``benchmarks/hlo_kernels.py --target h100``).
+    Elsewhere (XLA:CPU, TPU) each batch is reduced whole, in one loop, and
+    the scalar results are combined (``_combined``); each platform's
+    program holds only its own form."""
     stacked = [batch.values for batch in batches]
     parts = [part for batch in batches for part in batch.parts]
 
