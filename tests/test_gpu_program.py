@@ -566,14 +566,33 @@ def test_every_target_config_compiles_a_step(target):
 
 def test_the_large_transformer_compiles_from_shapes_alone_within_the_budget(hlo_kernels):
     """218M parameters (125 leaves): never allocated, only their shapes
-    travel. ls.dynamic's update adds fewer kernels than
-    optax.apply_if_finite's (jax 0.10.2: +61 against +180) and reads the
-    gradients once more than bare Adam."""
+    travel. ls.dynamic's update and mixed step add fewer kernels than
+    optax.apply_if_finite's (jax 0.10.2: +62 and +61 against +180), the
+    update reads the gradients once more than bare Adam, and the step moves
+    no more bytes than apply_if_finite's."""
     from _harness import peers
 
     model = models.build_abstract("transformer", "mixed", "large")
     assert sum(np.prod(x.shape) for x in jax.tree.leaves(model.params)) > 2e8
-    rows = budget_rows(hlo_kernels, "transformer", "mixed", "large", ["update"], ("ls", "apply-if-finite"))
-    assert rows[peers.LS, "update"]["extra_kernels"] < rows[peers.APPLY_IF_FINITE, "update"]["extra_kernels"]
-    extra = rows[peers.LS, "update"]["extra_mib"] / (model_bytes("transformer", "large") / MIB)
+    rows = budget_rows(hlo_kernels, "transformer", "mixed", "large", ["update", "step"], ("ls", "apply-if-finite"))
+    params_mib = model_bytes("transformer", "large") / MIB
+    for kind in ("update", "step"):
+        ours, theirs = rows[peers.LS, kind], rows[peers.APPLY_IF_FINITE, kind]
+        assert ours["extra_kernels"] < theirs["extra_kernels"], (kind, ours["extra_kernels"], theirs["extra_kernels"])
+        assert ours["extra_mib"] / params_mib <= theirs["extra_mib"] / params_mib + 0.02, kind
+    assert rows[peers.LS, "update"]["extra_mib"] / params_mib == pytest.approx(1.0, abs=0.02)
+
+
+def test_the_gpu_sized_mlp_is_within_the_budget(hlo_kernels):
+    """The 243M-parameter MLP (``--size gpu``, the one timed on the H200),
+    update and mixed step: ls.dynamic adds no more kernels than
+    optax.apply_if_finite, and the update reads the gradients once more
+    than bare Adam."""
+    from _harness import peers
+
+    rows = budget_rows(hlo_kernels, "mlp", "mixed", "gpu", ["update", "step"], ("ls", "apply-if-finite"))
+    for kind in ("update", "step"):
+        ours, theirs = rows[peers.LS, kind]["extra_kernels"], rows[peers.APPLY_IF_FINITE, kind]["extra_kernels"]
+        assert ours <= theirs, (kind, ours, theirs)
+    extra = rows[peers.LS, "update"]["extra_mib"] / (model_bytes("mlp", "gpu") / MIB)
     assert extra == pytest.approx(1.0, abs=0.02)
