@@ -14,19 +14,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from loss_scale._check_gpu import SMALL_LEAVES_PER_KERNEL, by_rows, magnitude, reduced_by_rows
 from loss_scale._grid import nearest_on_grid
 from loss_scale._sharding import axis_names, varying_axes
 from loss_scale._types import AxisName, PyTree
 from loss_scale._unscale import is_float_leaf, unscale_dtype, unscale_leaf, unscaled_value
-
-
-def _magnitude(x: jax.Array) -> jax.Array:
-    """``|x|`` elementwise, in ``x``'s real dtype; for complex ``x`` the larger
-    of ``|re|`` and ``|im|``, which is finite exactly when both parts are (and
-    does not overflow where ``|re + i im|`` would)."""
-    if jnp.issubdtype(x.dtype, jnp.complexfloating):
-        return jnp.maximum(jnp.abs(jnp.real(x)), jnp.abs(jnp.imag(x)))
-    return jnp.abs(x)
 
 
 def peak_and_finite(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
@@ -51,7 +43,7 @@ def peak_and_finite(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax
     unrolled optimisation) sees a constant check.
     """
     x = jax.lax.stop_gradient(x)
-    return _max_and_all_over(_magnitude(x), jnp.isfinite(x), axes)
+    return _max_and_all_over(magnitude(x), jnp.isfinite(x), axes)
 
 
 def _max_and_all_over(magnitudes: jax.Array, flags: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
@@ -140,7 +132,7 @@ class _Batch(NamedTuple):
     the peak and add nothing to a norm; ``padding`` counts them per row).
     Each row is reduced over all its axes. ``parts`` are the same leaves
     unbatched: the big leaf's ``values``, or the small leaves themselves
-    (which a GPU's check reads without stacking them, ``_reduced_by_rows``)."""
+    (which a GPU's check reads without stacking them, ``_check_gpu``)."""
 
     indices: list[int]
     values: jax.Array
@@ -258,11 +250,11 @@ def gradient_stats(
                 unscaled = jnp.where(jnp.isfinite(unscaled), unscaled, 0)
                 row.append(jnp.sum(jnp.real(unscaled * jnp.conj(unscaled)), dtype=jnp.float32))
             if with_underflow:
-                magnitude = _magnitude(values)
+                magnitudes = magnitude(values)
                 pad = float(batch.padding.sum())
                 row += [
-                    jnp.sum(magnitude == 0, dtype=jnp.float32) - pad,
-                    jnp.sum(magnitude < FLOAT16_TINY, dtype=jnp.float32) - pad,
+                    jnp.sum(magnitudes == 0, dtype=jnp.float32) - pad,
+                    jnp.sum(magnitudes < FLOAT16_TINY, dtype=jnp.float32) - pad,
                     jnp.float32(values.size - pad),
                 ]
             sums[batch.sharded].append(jnp.stack(row))
@@ -334,83 +326,9 @@ def _combined(reduction, values: list[jax.Array]) -> jax.Array:
     return reduction(jnp.stack(values))
 
 
-# A big leaf is reduced in two steps on a GPU (``_peak_of_batches``) only
-# where its rows are at least this long: each row's result is written, copied
-# and read once more, at most 12 bytes against at least 512 read for the row,
-# so at most about 2% more traffic than reducing it whole.
-MIN_PARTIAL_ROW = 256
-
-
 def _reduced_whole(*batches: jax.Array) -> tuple[jax.Array, jax.Array]:
     pairs = [peak_and_finite(b, tuple(range(b.ndim))) for b in batches]
     return _combined(jnp.max, [peak for peak, _ in pairs]), _combined(jnp.all, [flag for _, flag in pairs])
-
-
-def _by_rows(part: jax.Array) -> bool:
-    # A big leaf of two or more axes is a part [1, *shape]: its rows are
-    # along the leaf's leading axis.
-    return part.ndim >= 3 and part.size >= part.shape[1] * MIN_PARTIAL_ROW
-
-
-def _magnitude_or_inf(x: jax.Array) -> jax.Array:
-    """``|x|``, and ``inf`` where ``x`` is NaN: a float ``max`` over it is
-    inf exactly when an element is not finite, and no NaN is left for the
-    ``max`` to drop. One reduction of one array, the lightest a GPU runs.
-    In ``x``'s real dtype where that holds an infinity, else float32 (which
-    holds every magnitude of a narrower format exactly)."""
-    x = jax.lax.stop_gradient(x)
-    wide = _with_inf(x.dtype)
-    return jnp.where(jnp.isnan(x), jnp.array(jnp.inf, wide), _magnitude(x).astype(wide))
-
-
-def _with_inf(dtype: jnp.dtype) -> jnp.dtype:
-    """``dtype``'s real dtype where it holds an infinity, else float32."""
-    real = jnp.finfo(dtype).dtype
-    return (
-        real if np.isinf(np.array(np.inf).astype(real)) else jnp.dtype(jnp.float32)
-    )  # the formats without one are narrower
-
-
-# A batch of small leaves is reduced on a GPU at most this many leaves per
-# kernel: a stack fused into the reduction that reads it is emitted as a
-# choice among its operands at every element, whose code grows with their
-# number (62 operands took LLVM half a second to compile).
-SMALL_LEAVES_PER_KERNEL = 16
-
-
-def _row_results(part: jax.Array) -> jax.Array:
-    """A big leaf's row maxima (its leading axis kept), or its maximum."""
-    first = 2 if _by_rows(part) else 0
-    return jnp.max(_magnitude_or_inf(part), axis=tuple(range(first, part.ndim))).reshape(-1)
-
-
-def _small_results(leaves: list[jax.Array]) -> list[jax.Array]:
-    """One maximum per small leaf of a batch: at most
-    ``SMALL_LEAVES_PER_KERNEL`` of them flattened, zero-padded to the
-    widest and stacked, one reduction each."""
-    results = []
-    for at in range(0, len(leaves), SMALL_LEAVES_PER_KERNEL):
-        rows = [leaf.reshape(-1) for leaf in leaves[at : at + SMALL_LEAVES_PER_KERNEL]]
-        width = max(row.size for row in rows)
-        stacked = _magnitude_or_inf(jnp.stack([jnp.pad(row, (0, width - row.size)) for row in rows]))
-        results.append(jnp.max(stacked, axis=1, initial=0.0))
-    return results
-
-
-def _reduced_by_rows(groups: list[list[jax.Array]]) -> tuple[jax.Array, jax.Array]:
-    """The GPU's form of ``_peak_of_batches``, given each batch's ``parts``."""
-    dtype = jnp.finfo(groups[0][0].dtype).dtype  # the peak of complex leaves is real
-    results = []
-    for parts in groups:
-        big = len(parts) == 1 and parts[0].size > SMALL_LEAF
-        results += [_row_results(parts[0])] if big else _small_results(parts)
-    # The results are one array, written by a kernel of its own (XLA emits
-    # a concatenation operand by operand) and read by one more reduction;
-    # fused into that reduction, a concatenation of a hundred operands took
-    # LLVM seconds to compile (see SMALL_LEAVES_PER_KERNEL).
-    (joined,) = jax.lax.optimization_barrier((jnp.concatenate(results),))
-    peak = jnp.max(joined, initial=0.0)
-    return peak.astype(dtype), jnp.isfinite(peak)
 
 
 def _peak_of_batches(batches: list[_Batch]) -> tuple[jax.Array, jax.Array]:
@@ -433,18 +351,18 @@ def _peak_of_batches(batches: list[_Batch]) -> tuple[jax.Array, jax.Array]:
     def whole(*arrays):
         return _reduced_whole(*arrays[: len(stacked)])
 
-    def by_rows(*arrays):
-        if not any(_by_rows(b.values) for b in batches) and all(
+    def gpu(*arrays):
+        if not any(by_rows(b.values) for b in batches) and all(
             len(b.parts) <= SMALL_LEAVES_PER_KERNEL for b in batches
         ):
             return whole(*arrays)  # no row to save: each batch is one kernel already
         groups, at = [], len(stacked)
         for batch in batches:
-            groups.append(list(arrays[at : at + len(batch.parts)]))
+            groups.append((batch.parts[0].size > SMALL_LEAF, list(arrays[at : at + len(batch.parts)])))
             at += len(batch.parts)
-        return _reduced_by_rows(groups)
+        return reduced_by_rows(groups)
 
-    return jax.lax.platform_dependent(*stacked, *parts, cuda=by_rows, rocm=by_rows, default=whole)
+    return jax.lax.platform_dependent(*stacked, *parts, cuda=gpu, rocm=gpu, default=whole)
 
 
 def _combined_stats(

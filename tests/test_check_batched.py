@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from loss_scale import _check
+from loss_scale import _check, _check_gpu
 from loss_scale._check import SMALL_LEAF, gradient_stats
 
 F16_TINY = float(np.finfo(np.float16).tiny)
@@ -115,7 +115,7 @@ def test_the_small_leaves_of_a_tiny_model_are_checked_by_one_reduction():
 
 @pytest.fixture
 def reduced_by_rows(monkeypatch):
-    """The check as a GPU compiles it (``_check._reduced_by_rows``: big
+    """The check as a GPU compiles it (``_check_gpu.reduced_by_rows``: big
     leaves reduced over their rows first, then every row's result and every
     small leaf at once), run here in place of the CPU's form; the number of
     times it was traced. Traces made with it are dropped before and after."""
@@ -123,7 +123,7 @@ def reduced_by_rows(monkeypatch):
 
     def by_rows(batches):
         traced.append(len(batches))
-        return _check._reduced_by_rows([batch.parts for batch in batches])
+        return _check_gpu.reduced_by_rows([(batch.parts[0].size > SMALL_LEAF, batch.parts) for batch in batches])
 
     jax.clear_caches()
     monkeypatch.setattr(_check, "_peak_of_batches", by_rows)

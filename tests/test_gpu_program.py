@@ -149,11 +149,15 @@ def test_the_other_paths_stay_within_the_budget(size):
     assert update_kernels(ls.predictive(adam()), params) - bare <= dynamic
 
 
-@pytest.mark.parametrize("name,size,against", [("tree", "default", PEERS), ("tree", "gpu", ("apply-if-finite",))])
+@pytest.mark.parametrize(
+    "name,size,against",
+    [("tree", "default", PEERS), ("tree", "gpu", ("apply-if-finite",)), ("transformer", "gpu", ("apply-if-finite",))],
+)
 def test_the_scalers_add_fewer_kernels_than_the_peers_on_many_leaves(hlo_kernels, name, size, against):
-    """At 40 leaves against every peer; at 160 against optax.apply_if_finite,
-    the leanest of them there (jax 0.10.2: +244 kernels, jmp +246, flax +247;
-    compiling all three takes minutes on a 2-core CPU)."""
+    """At 40 leaves against every peer; at 160, and on the 2-layer
+    transformer (``--size gpu``), against optax.apply_if_finite, the leanest
+    of them there (jax 0.10.2, 160 leaves: +244 kernels, jmp +246, flax
+    +247; compiling all three takes minutes on a 2-core CPU)."""
     from _harness import peers
 
     rows = budget_rows(hlo_kernels, name, "f32", size, ["update"], ("ls", *against))
