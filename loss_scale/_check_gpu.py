@@ -49,11 +49,10 @@ def _magnitude_or_inf(x: jax.Array) -> jax.Array:
 
 
 def _with_inf(dtype: jnp.dtype) -> jnp.dtype:
-    """``dtype``'s real dtype where it holds an infinity, else float32."""
+    """``dtype``'s real dtype where it holds an infinity, else float32 (the
+    formats without one, float8 e4m3fn and narrower, are all smaller)."""
     real = jnp.finfo(dtype).dtype
-    return (
-        real if np.isinf(np.array(np.inf).astype(real)) else jnp.dtype(jnp.float32)
-    )  # the formats without one are narrower
+    return real if np.isinf(np.array(np.inf).astype(real)) else jnp.dtype(jnp.float32)
 
 
 # A batch of small leaves is reduced on a GPU at most this many leaves per

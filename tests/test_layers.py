@@ -31,6 +31,7 @@ LAYERS: dict[str, tuple[str, ...]] = {
         "_sharding",
         "_grid",
         "_unscale",
+        "_check_gpu",
         "_check",
         "_validate",
         "_signatures",
