@@ -43,14 +43,9 @@ def peak_and_finite(x: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax
     unrolled optimisation) sees a constant check.
     """
     x = jax.lax.stop_gradient(x)
-    return _max_and_all_over(magnitude(x), jnp.isfinite(x), axes)
-
-
-def _max_and_all_over(magnitudes: jax.Array, flags: jax.Array, axes: tuple[int, ...]) -> tuple[jax.Array, jax.Array]:
-    """``(max(magnitudes), all(flags))`` over ``axes``: one variadic
-    reduction, each element read once."""
+    magnitudes = magnitude(x)
     zero = jnp.zeros((), magnitudes.dtype)
-    return jax.lax.reduce((magnitudes, flags), (zero, jnp.array(True)), _max_and_all, axes)
+    return jax.lax.reduce((magnitudes, jnp.isfinite(x)), (zero, jnp.array(True)), _max_and_all, axes)
 
 
 def largest_magnitude(x: jax.Array) -> jax.Array:
